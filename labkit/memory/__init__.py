@@ -1,0 +1,13 @@
+"""The paged KV memory layer: physical blocks, block tables, copy-on-write, prefix caching.
+
+Layer 1 of labkit: it knows block ids and token ids, never tensors.
+"""
+
+from .allocator import BlockAllocator, CacheEntry, NoFreeBlocksError
+from .block_table import BlockTable, CopyOnWrite
+from .prefix_cache import ROOT_HASH, hash_block, hash_prefix
+
+__all__ = [
+    "BlockAllocator", "BlockTable", "CacheEntry", "CopyOnWrite", "NoFreeBlocksError",
+    "ROOT_HASH", "hash_block", "hash_prefix",
+]

@@ -1,0 +1,196 @@
+"""A sequence's block table: logical blocks -> physical blocks, filled as tokens arrive.
+
+Logical block ``i`` of a sequence holds its tokens ``[i * block_size, (i + 1) * block_size)``;
+``block_ids[i]`` says which physical block stores their K and V. The slot of token ``t``
+is ``block_ids[t // block_size] * block_size + t % block_size``: the executor writes the
+token's K/V there and the attention kernel reads it back by following the same table.
+
+Blocks are allocated on demand, one when the previous one is full, so a sequence wastes
+less than one block. ``fork`` shares every block with a child (reference counts up);
+appending into a shared, partly filled last block first copies it (copy-on-write) and
+reports ``(src, dst)`` so the executor can copy the KV data. Full blocks are never written
+again, so only the last block can ever need a copy.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .allocator import BlockAllocator, NoFreeBlocksError
+from .prefix_cache import ROOT_HASH, hash_block
+
+CopyOnWrite = tuple[int, int]   # (source block id, destination block id)
+
+
+class BlockTable:
+    """One sequence's map from logical to physical KV blocks.
+
+    Invariants: ``len(block_ids) == ceil(num_tokens / block_size)``; the table writes only
+    into its last block, and only when it is the block's sole holder (reference count 1).
+    """
+
+    __slots__ = ("allocator", "block_size", "block_ids", "token_ids", "block_hashes",
+                 "num_cached_tokens", "freed")
+
+    def __init__(self, allocator: BlockAllocator):
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.block_ids: list[int] = []
+        self.token_ids: list[int] = []      # the tokens that have a slot, in order
+        self.block_hashes: list[int] = []   # chained hashes of the full blocks (prefix caching)
+        self.num_cached_tokens = 0          # leading tokens whose KV came from the prefix cache
+        self.freed = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Empty slots at the end of the last block (internal fragmentation)."""
+        return len(self.block_ids) * self.block_size - len(self.token_ids)
+
+    def slot(self, position: int) -> int:
+        """The physical slot of the token at ``position``."""
+        block, offset = divmod(position, self.block_size)
+        return self.block_ids[block] * self.block_size + offset
+
+    def blocks_needed(self, num_new_tokens: int) -> int:
+        """How many blocks ``append_tokens`` of that many tokens would take from the pool,
+        counting the copy of a shared last block. Changes nothing."""
+        need = -(-(len(self.token_ids) + num_new_tokens) // self.block_size) - len(self.block_ids)
+        if num_new_tokens > 0 and self._last_block_is_shared():
+            need += 1
+        return need
+
+    # ---- prefix caching ------------------------------------------------------------
+    def reuse_cached_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        """On an empty table, take the cached full blocks that begin ``token_ids``.
+
+        Only whole blocks within the first ``max_tokens`` tokens are matched (the scheduler
+        passes ``len(prompt) - 1``: the last prompt token must be computed to get logits).
+        Returns the number of tokens whose KV is reused; they need no compute.
+        """
+        self._check_live()
+        if self.token_ids:
+            raise ValueError("reuse_cached_prefix works on an empty block table only")
+        if not self.allocator.enable_prefix_caching:
+            return 0
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        parent, bs = ROOT_HASH, self.block_size
+        for start in range(0, limit - bs + 1, bs):
+            block = tuple(token_ids[start:start + bs])
+            block_hash = hash_block(parent, block)
+            block_id = self.allocator.lookup(block_hash, parent, block)
+            if block_id is None:
+                break
+            self.block_ids.append(block_id)
+            self.block_hashes.append(block_hash)
+            self.token_ids.extend(block)
+            parent = block_hash
+        self.num_cached_tokens = len(self.token_ids)
+        return self.num_cached_tokens
+
+    def count_cached_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        """How many tokens ``reuse_cached_prefix`` would reuse, without taking anything."""
+        if not self.allocator.enable_prefix_caching:
+            return 0
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        parent, bs, n = ROOT_HASH, self.block_size, 0
+        for start in range(0, limit - bs + 1, bs):
+            block = tuple(token_ids[start:start + bs])
+            block_hash = hash_block(parent, block)
+            if self.allocator.peek(block_hash, parent, block) is None:
+                break
+            parent = block_hash
+            n += bs
+        return n
+
+    # ---- growth ------------------------------------------------------------------
+    def append_tokens(self, token_ids: Iterable[int]) -> list[CopyOnWrite]:
+        """Give each new token a slot, allocating blocks as the last one fills.
+
+        Returns the copy-on-write copies made (at most one: the shared last block). Either
+        every token gets a slot or, when the pool is short, ``NoFreeBlocksError`` is raised
+        and nothing changes.
+        """
+        self._check_live()
+        new = list(token_ids)
+        if not new:
+            return []
+        need = self.blocks_needed(len(new))
+        if need > self.allocator.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"appending {len(new)} tokens needs {need} blocks, "
+                f"only {self.allocator.num_free_blocks} are free"
+            )
+        copies: list[CopyOnWrite] = []
+        if self._last_block_is_shared():
+            # Copy-on-write: another table holds our partly filled last block. Writing into
+            # it would change their sequence, so we take a private copy and drop our share.
+            src = self.block_ids[-1]
+            dst = self.allocator.allocate()
+            self.allocator.free(src)
+            self.block_ids[-1] = dst
+            copies.append((src, dst))
+        bs = self.block_size
+        for token in new:
+            if len(self.token_ids) == len(self.block_ids) * bs:
+                self.block_ids.append(self.allocator.allocate())
+            self.token_ids.append(token)
+            if len(self.token_ids) % bs == 0 and self.allocator.enable_prefix_caching:
+                self._publish_last_full_block()
+        return copies
+
+    def _publish_last_full_block(self) -> None:
+        bs = self.block_size
+        block = tuple(self.token_ids[-bs:])
+        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        block_hash = hash_block(parent, block)
+        self.block_hashes.append(block_hash)
+        self.allocator.register(self.block_ids[-1], block_hash, parent, block)
+
+    def _last_block_is_shared(self) -> bool:
+        return (
+            bool(self.block_ids)
+            and len(self.token_ids) % self.block_size != 0
+            and self.allocator.ref_count(self.block_ids[-1]) > 1
+        )
+
+    # ---- sharing and release -------------------------------------------------------
+    def fork(self) -> "BlockTable":
+        """A child table that shares every block with this one (reference counts go up).
+        The first of the two to append into the shared last block copies it."""
+        self._check_live()
+        child = BlockTable(self.allocator)
+        for block_id in self.block_ids:
+            self.allocator.incref(block_id)
+        child.block_ids = list(self.block_ids)
+        child.token_ids = list(self.token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_tokens = self.num_cached_tokens
+        return child
+
+    def free(self) -> None:
+        """Let go of every block; the table cannot be used afterwards.
+
+        Blocks are released last-first, so that with prefix caching the LRU evicts a
+        sequence's tail before its head (heads are the prefixes others are likely to share).
+        """
+        if self.freed:
+            raise ValueError("double free: this block table was already freed")
+        for block_id in reversed(self.block_ids):
+            self.allocator.free(block_id)
+        self.block_ids = []
+        self.freed = True
+
+    def _check_live(self) -> None:
+        if self.freed:
+            raise ValueError("this block table was freed; create a new one")
+
+    def __repr__(self) -> str:
+        return f"BlockTable(tokens={len(self.token_ids)}, blocks={self.block_ids})"

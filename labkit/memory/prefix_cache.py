@@ -1,0 +1,36 @@
+"""Block hashes for automatic prefix caching.
+
+A full block is identified by its tokens *and everything before them*: the K and V of a
+token depend on the whole prefix, so two blocks with equal tokens but different prefixes
+hold different KV. The hash of block ``i`` therefore chains over the hash of block ``i-1``:
+
+    h_0 = H(ROOT_HASH, tokens_0),   h_i = H(h_{i-1}, tokens_i)
+
+Equal hashes mean equal prefixes (up to the hash's collision odds, 2^-128 with BLAKE2b-128);
+the allocator still compares the block's tokens and parent hash on every hit, so a
+collision can never make two different sequences share KV silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Sequence
+
+ROOT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
+    """The chained hash of one full block: 128 bits of BLAKE2b over (parent, tokens)."""
+    h = hashlib.blake2b(parent_hash.to_bytes(16, "little"), digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_prefix(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of every full block of ``token_ids`` (a partial tail is not hashed)."""
+    hashes, parent = [], ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes

@@ -59,6 +59,8 @@ class BlockAllocator:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
+        self._fill = [0] * num_blocks          # slots of each block that hold a token
+        self.num_filled_slots = 0              # sum of _fill over referenced blocks
         # Reversed so that the first allocations hand out ids 0, 1, 2, ...: easier to read in demos.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
@@ -124,6 +126,7 @@ class BlockAllocator:
                 f"all {self.num_blocks} KV blocks are in use; free some or preempt a sequence"
             )
         self._ref_counts[block_id] = 1
+        self._fill[block_id] = 0
         return block_id
 
     def incref(self, block_id: int) -> None:
@@ -142,10 +145,30 @@ class BlockAllocator:
             raise ValueError(f"double free: block {block_id} is not held by anyone")
         self._ref_counts[block_id] = count - 1
         if count == 1:
+            self.num_filled_slots -= self._fill[block_id]
             if block_id in self._entries:
                 self._cached_free[block_id] = None
             else:
                 self._free.append(block_id)
+
+    def set_fill(self, block_id: int, num_tokens: int) -> None:
+        """Record how many slots of a held block hold tokens (the block table calls this)."""
+        self.num_filled_slots += num_tokens - self._fill[block_id]
+        self._fill[block_id] = num_tokens
+
+    def fill(self, block_id: int) -> int:
+        """How many slots of ``block_id`` hold tokens."""
+        return self._fill[block_id]
+
+    @property
+    def kv_utilization(self) -> float:
+        """Fraction of the slots in held blocks that hold a token (1.0 when nothing is held).
+
+        Paged allocation keeps this near 1: only each sequence's last block is partly empty.
+        Shared blocks count once: that is the point of sharing.
+        """
+        used = self.num_used_blocks * self.block_size
+        return self.num_filled_slots / used if used else 1.0
 
     # ---- prefix cache ----------------------------------------------------------------
     def lookup(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
@@ -161,6 +184,7 @@ class BlockAllocator:
         self.num_cache_hits += 1
         if self._ref_counts[block_id] == 0:
             del self._cached_free[block_id]
+            self.num_filled_slots += self._fill[block_id]
         self._ref_counts[block_id] += 1
         return block_id
 
@@ -216,6 +240,8 @@ class BlockAllocator:
             assert states == 1, f"block {block_id} is in {states} states (free/cached/used)"
         for block_id in cached:
             assert block_id in self._entries, f"cached-free block {block_id} has no cache entry"
+        filled = sum(f for b, f in enumerate(self._fill) if self._ref_counts[b] > 0)
+        assert filled == self.num_filled_slots, f"filled-slot count {self.num_filled_slots} != {filled}"
         for block_hash, block_id in self._by_hash.items():
             assert self._entries[block_id].block_hash == block_hash
         assert len(self._by_hash) == len(self._entries)

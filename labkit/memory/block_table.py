@@ -51,7 +51,8 @@ class BlockTable:
 
     @property
     def num_free_slots(self) -> int:
-        """Empty slots at the end of the last block (internal fragmentation)."""
+        """Allocated slots not holding a token: the last block's tail (internal
+        fragmentation), plus any blocks reserved ahead of time by ``reserve``."""
         return len(self.block_ids) * self.block_size - len(self.token_ids)
 
     def slot(self, position: int) -> int:
@@ -62,7 +63,7 @@ class BlockTable:
     def blocks_needed(self, num_new_tokens: int) -> int:
         """How many blocks ``append_tokens`` of that many tokens would take from the pool,
         counting the copy of a shared last block. Changes nothing."""
-        need = -(-(len(self.token_ids) + num_new_tokens) // self.block_size) - len(self.block_ids)
+        need = max(0, -(-(len(self.token_ids) + num_new_tokens) // self.block_size) - len(self.block_ids))
         if num_new_tokens > 0 and self._last_block_is_shared():
             need += 1
         return need
@@ -95,20 +96,22 @@ class BlockTable:
         self.num_cached_tokens = len(self.token_ids)
         return self.num_cached_tokens
 
-    def count_cached_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
-        """How many tokens ``reuse_cached_prefix`` would reuse, without taking anything."""
+    def peek_cached_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
+        """The cached blocks ``reuse_cached_prefix`` would take, without taking anything.
+        (The scheduler uses it to count what admitting a request would cost.)"""
         if not self.allocator.enable_prefix_caching:
-            return 0
+            return []
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        parent, bs, n = ROOT_HASH, self.block_size, 0
+        parent, bs, hits = ROOT_HASH, self.block_size, []
         for start in range(0, limit - bs + 1, bs):
             block = tuple(token_ids[start:start + bs])
             block_hash = hash_block(parent, block)
-            if self.allocator.peek(block_hash, parent, block) is None:
+            block_id = self.allocator.peek(block_hash, parent, block)
+            if block_id is None:
                 break
+            hits.append(block_id)
             parent = block_hash
-            n += bs
-        return n
+        return hits
 
     # ---- growth ------------------------------------------------------------------
     def append_tokens(self, token_ids: Iterable[int]) -> list[CopyOnWrite]:
@@ -132,19 +135,40 @@ class BlockTable:
         if self._last_block_is_shared():
             # Copy-on-write: another table holds our partly filled last block. Writing into
             # it would change their sequence, so we take a private copy and drop our share.
-            src = self.block_ids[-1]
+            index = len(self.token_ids) // self.block_size
+            src = self.block_ids[index]
             dst = self.allocator.allocate()
             self.allocator.free(src)
-            self.block_ids[-1] = dst
+            self.block_ids[index] = dst
             copies.append((src, dst))
         bs = self.block_size
+        first_block = len(self.token_ids) // bs
         for token in new:
             if len(self.token_ids) == len(self.block_ids) * bs:
                 self.block_ids.append(self.allocator.allocate())
             self.token_ids.append(token)
             if len(self.token_ids) % bs == 0 and self.allocator.enable_prefix_caching:
                 self._publish_last_full_block()
+        end = len(self.token_ids)
+        for b in range(first_block, (end - 1) // bs + 1):
+            self.allocator.set_fill(self.block_ids[b], min(bs, end - b * bs))
         return copies
+
+    def reserve(self, num_tokens: int) -> None:
+        """Allocate, now, every block needed to hold ``num_tokens`` tokens in all.
+
+        This is what static batching does: reserve a request's maximum length up front.
+        Paged serving never calls it; the unfilled reserved slots are the waste that
+        on-demand allocation avoids. Raises ``NoFreeBlocksError`` (changing nothing) when
+        the pool is short.
+        """
+        self._check_live()
+        need = -(-num_tokens // self.block_size) - len(self.block_ids)
+        if need > self.allocator.num_free_blocks:
+            raise NoFreeBlocksError(f"reserving {num_tokens} tokens needs {need} more blocks, "
+                                    f"only {self.allocator.num_free_blocks} are free")
+        for _ in range(need):
+            self.block_ids.append(self.allocator.allocate())
 
     def _publish_last_full_block(self) -> None:
         bs = self.block_size
@@ -155,11 +179,11 @@ class BlockTable:
         self.allocator.register(self.block_ids[-1], block_hash, parent, block)
 
     def _last_block_is_shared(self) -> bool:
-        return (
-            bool(self.block_ids)
-            and len(self.token_ids) % self.block_size != 0
-            and self.allocator.ref_count(self.block_ids[-1]) > 1
-        )
+        """Whether the block the next token goes into is partly filled and held by others."""
+        n = len(self.token_ids)
+        if n % self.block_size == 0:
+            return False
+        return self.allocator.ref_count(self.block_ids[n // self.block_size]) > 1
 
     # ---- sharing and release -------------------------------------------------------
     def fork(self) -> "BlockTable":

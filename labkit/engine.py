@@ -1,0 +1,170 @@
+"""The engine loop: schedule -> execute -> update, once per iteration.
+
+The same loop drives the real model (``ModelExecutor``: a Llama on paged KV, plus the
+sampler) and the simulator (``SimExecutor``: a cost model and deterministic dummy tokens).
+Only the executor differs, so the notebooks' animations, the simulator's long traces and
+real generation all go through the same scheduler and block manager.
+
+An executor has one method, ``execute(plan) -> ExecuteResult``, and two attributes:
+``simulated`` (whether its durations are modelled rather than measured) and, optionally,
+``tokenizer`` (for stop strings and text).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+from .request import Request, Sequence, Status
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput, StepRecord
+
+
+@dataclass(slots=True)
+class ExecuteResult:
+    """What an executor returns: tokens sampled per scheduled sequence, and the time taken."""
+
+    sampled: list[list[int]]
+    duration_s: float
+
+
+class Executor(Protocol):
+    simulated: bool
+
+    def execute(self, plan: SchedulerOutput) -> ExecuteResult: ...
+
+
+class Engine:
+    """Owns a scheduler and an executor and runs iterations.
+
+    The clock is the wall clock for a real executor, and a simulated clock (advanced by
+    the executor's modelled durations) for a simulated one; request timings use it.
+    ``records`` keeps one ``StepRecord`` per iteration when ``keep_records`` is true.
+    """
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer=None,
+                 keep_records: bool = True):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.keep_records = keep_records
+        self.records: list[StepRecord] = []
+        self._ids = itertools.count()
+        self._sim_now = 0.0
+        self._t0 = time.perf_counter()
+        self.busy_s = 0.0               # time spent in iterations (executor + bookkeeping)
+        self.schedule_s = 0.0           # time spent in schedule() + update(), measured
+        self.num_steps = 0
+
+    @property
+    def now(self) -> float:
+        if self.executor.simulated:
+            return self._sim_now
+        return time.perf_counter() - self._t0
+
+    def advance_to(self, t: float) -> None:
+        """Move a simulated clock forward (idle time until the next arrival)."""
+        if self.executor.simulated and t > self._sim_now:
+            self._sim_now = t
+
+    # ---- requests ------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    prompt: str | None = None) -> Request:
+        """Queue a request; it joins the batch at the next iteration with room for it.
+        Raises ``ValueError`` (changing nothing) if it can never be served."""
+        params = params if params is not None else SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        request = Request(request_id, prompt_token_ids, params,
+                          self.now if arrival_time is None else arrival_time, prompt=prompt)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now."""
+        request = self.scheduler.requests.get(request_id)
+        done = self.scheduler.abort(request_id)
+        if done and request is not None:
+            request.finish_time = self.now
+        return done
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- one iteration -----------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one iteration. Returns the requests that finished in it."""
+        start = self.now
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule(start)
+        t1 = time.perf_counter()
+        if plan.is_empty:
+            return []
+        result = self.executor.execute(plan)
+        t2 = time.perf_counter()
+        if self.executor.simulated:
+            self._sim_now += result.duration_s
+        end = self.now
+        finished = self.scheduler.update(plan, result.sampled, end)
+        if self.tokenizer is not None:
+            finished += self._check_stop_strings(plan, end)
+        t3 = time.perf_counter()
+        self.schedule_s += (t1 - t0) + (t3 - t2)
+        self.busy_s += end - start
+        self.num_steps += 1
+        if self.keep_records:
+            self.records.append(self.scheduler.make_record(plan, finished, start, end - start))
+        return finished
+
+    def run(self, requests: Iterable[Request] | None = None) -> None:
+        """Step until every queued request has finished."""
+        while self.scheduler.has_unfinished:
+            self.step()
+
+    def _check_stop_strings(self, plan: SchedulerOutput, now: float) -> list[Request]:
+        """Finish sequences whose text now contains one of their stop strings."""
+        finished = []
+        for item in plan.scheduled:
+            seq = item.seq
+            params = seq.request.params
+            if not params.stop or seq.status is not Status.RUNNING or item.num_samples == 0:
+                continue
+            if self._stop_string_hit(seq, params.stop):
+                self.scheduler.finish_sequence(seq, "stop")
+                request = seq.request
+                if request.finished and request.request_id in self.scheduler.requests:
+                    del self.scheduler.requests[request.request_id]
+                    request.finish_time = now
+                    finished.append(request)
+        return finished
+
+    def _stop_string_hit(self, seq: Sequence, stops: list[str]) -> bool:
+        # Only the tail can contain a new match: decode a window wide enough for the longest stop.
+        window = max(len(s) for s in stops) + 8
+        tail = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    # ---- numbers for notebooks and benchmarks --------------------------------------
+    def stats(self) -> dict:
+        s, a = self.scheduler, self.scheduler.allocator
+        return {
+            "policy": s.policy,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_free_blocks": a.num_free_blocks,
+            "num_used_blocks": a.num_used_blocks,
+            "num_cached_free_blocks": a.num_cached_free_blocks,
+            "num_total_blocks": a.num_blocks,
+            "block_size": a.block_size,
+            "kv_utilization": a.kv_utilization,
+            "prefix_cache_hit_rate": a.prefix_cache_hit_rate,
+            "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
+            "num_preemptions": s.num_preemptions,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "num_steps": self.num_steps,
+        }

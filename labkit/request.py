@@ -1,0 +1,105 @@
+"""Requests and sequences: the records the scheduler moves between its queues.
+
+A *request* is what a user sent: a prompt and its SamplingParams. It owns one *sequence*
+per sample: one at first; ``n > 1`` forks more when the prompt's prefill completes.
+A sequence is what the scheduler schedules and what owns a block table.
+
+A sequence's life: WAITING -> RUNNING -> FINISHED, and back to WAITING when preempted.
+Its ``token_ids`` are prompt + generated tokens; ``num_computed_tokens`` of them have K/V
+in the cache. Preemption by recompute drops the KV (``num_computed_tokens = 0``) but keeps
+every token, so a resumed sequence continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from .memory import BlockTable
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One stream of tokens with its own block table."""
+
+    __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens",
+                 "num_computed_tokens", "block_table", "status", "finish_reason",
+                 "num_preemptions", "num_cached_tokens")
+
+    def __init__(self, request: "Request", token_ids: list[int], index: int = 0):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index                       # which of the request's n samples
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: BlockTable | None = None
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0               # prompt tokens served by the prefix cache
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the last token lacks K/V: a (re)computation of a prompt."""
+        return len(self.token_ids) - self.num_computed_tokens > 1 or self.num_output_tokens == 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, "
+                f"tokens={len(self.token_ids)}, computed={self.num_computed_tokens})")
+
+
+class Request:
+    """A user's request: prompt, sampling settings, its sequences and its timings.
+
+    Times are in the engine's clock (wall seconds for the real model, simulated seconds
+    for the simulator); None until the event happens.
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_time", "seqs",
+                 "first_scheduled_time", "first_token_time", "finish_time", "forked",
+                 "prompt", "error")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float = 0.0, prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.prompt = prompt
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.forked = params.n == 1              # n > 1 forks once, after the prompt's prefill
+        self.error: str | None = None
+        self.seqs = [Sequence(self, list(self.prompt_token_ids))]
+
+    @property
+    def finished(self) -> bool:
+        # Before an n > 1 request forks it has one sequence; it can only finish by sampling
+        # its first token (which forks it first) or by an abort, so "all" is right either way.
+        return all(s.status is Status.FINISHED for s in self.seqs)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, n={self.params.n})"

@@ -1,0 +1,92 @@
+"""The static-batching baseline: the naive server that PagedAttention and Orca replaced.
+
+A batch is formed from the head of the queue; each request reserves, up front, room for
+its maximum length (prompt + max_tokens, or the model's whole context); the batch runs
+until its *longest* request finishes, and nothing joins it meanwhile. Finished requests
+keep their reservation until the batch ends. Prompts are prefilled all at once, as
+``generate`` on a padded batch does.
+
+It is the continuous scheduler with three policy hooks changed, running on the same
+block manager, so that comparisons measure the policy and nothing else.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..memory import BlockAllocator, BlockTable
+from ..request import Request, Sequence, Status
+from .records import SchedulerOutput
+from .scheduler import Scheduler
+
+
+class StaticScheduler(Scheduler):
+    """Static batching with max-length reservation, on the shared ``BlockAllocator``.
+
+    ``reserve="max_tokens"`` reserves prompt + max_tokens per request; ``reserve="model"``
+    reserves the model's maximum length (what a server that does not know the output
+    length must do).
+    """
+
+    policy = "static"
+
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, reserve: str = "max_tokens",
+                 eos_token_ids=(), **unused):
+        if reserve not in ("max_tokens", "model"):
+            raise ValueError(f"reserve must be 'max_tokens' or 'model', got {reserve!r}")
+        if reserve == "model" and max_model_len is None:
+            raise ValueError("reserve='model' needs max_model_len")
+        # The whole batch's prompts go in one iteration: no token budget, no chunking.
+        super().__init__(allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=sys.maxsize,
+                         enable_chunked_prefill=False, max_model_len=max_model_len,
+                         watermark=0.0, eos_token_ids=eos_token_ids)
+        self.reserve = reserve
+        self._held: list[Sequence] = []   # finished, blocks kept until the batch ends
+
+    def check_request(self, request: Request) -> None:
+        if request.params.n != 1:
+            raise ValueError(f"request {request.request_id!r}: the static baseline serves n=1 only")
+        super().check_request(request)
+
+    def _tokens_to_hold(self, request: Request, longest: int) -> int:
+        return self.max_model_len if self.reserve == "model" else longest
+
+    def _batch_may_grow(self) -> bool:
+        return not self.running and not self._held
+
+    def _admit(self, seq: Sequence, budget: int):
+        request = seq.request
+        longest = len(request.prompt_token_ids) + request.params.max_tokens
+        if self.max_model_len is not None:
+            longest = min(longest, self.max_model_len)
+        reservation = self._tokens_to_hold(request, longest)
+        if -(-reservation // self.block_size) > self.allocator.num_free_blocks:
+            return None
+        table = BlockTable(self.allocator)
+        table.reserve(reservation)
+        seq.block_table = table
+        return len(seq.token_ids), self._grow(seq, len(seq.token_ids))
+
+    def _release(self, seq: Sequence, force: bool = False) -> None:
+        if force:
+            super()._release(seq)
+        else:
+            self._held.append(seq)
+
+    def update(self, output: SchedulerOutput, sampled: list[list[int]], now: float) -> list[Request]:
+        finished = super().update(output, sampled, now)
+        if not self.running:
+            # The batch's longest request is done: only now does its memory come back.
+            for seq in self._held:
+                super()._release(seq)
+            self._held.clear()
+        return finished
+
+    def abort(self, request_id: str) -> bool:
+        done = super().abort(request_id)
+        if done and not self.running:
+            for seq in self._held:
+                super()._release(seq)
+            self._held.clear()
+        return done

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m labkit.bench {memory,sim,kernels,serve,http,disagg}``."""

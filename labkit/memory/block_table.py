@@ -63,10 +63,10 @@ class BlockTable:
     def blocks_needed(self, num_new_tokens: int) -> int:
         """How many blocks ``append_tokens`` of that many tokens would take from the pool,
         counting the copy of a shared last block. Changes nothing."""
-        need = max(0, -(-(len(self.token_ids) + num_new_tokens) // self.block_size) - len(self.block_ids))
-        if num_new_tokens > 0 and self._last_block_is_shared():
-            need += 1
-        return need
+        if num_new_tokens <= 0:
+            return 0
+        need = -(-(len(self.token_ids) + num_new_tokens) // self.block_size) - len(self.block_ids)
+        return max(0, need) + self._last_block_is_shared()
 
     # ---- prefix caching ------------------------------------------------------------
     def reuse_cached_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
@@ -114,45 +114,66 @@ class BlockTable:
         return hits
 
     # ---- growth ------------------------------------------------------------------
-    def append_tokens(self, token_ids: Iterable[int]) -> list[CopyOnWrite]:
+    def append_tokens(self, token_ids: Iterable[int], computed: bool = True) -> list[CopyOnWrite]:
         """Give each new token a slot, allocating blocks as the last one fills.
 
         Returns the copy-on-write copies made (at most one: the shared last block). Either
         every token gets a slot or, when the pool is short, ``NoFreeBlocksError`` is raised
         and nothing changes.
+
+        With prefix caching, blocks this append fills are published to the cache at once
+        when ``computed`` (their K/V is already there). The scheduler appends *before* the
+        model computes the K/V, so it passes ``computed=False`` and calls
+        ``cache_computed_blocks`` after the iteration: a block must never be shared
+        before its K/V exists.
         """
-        self._check_live()
-        new = list(token_ids)
+        if self.freed:
+            raise ValueError("this block table was freed; create a new one")
+        new = token_ids if isinstance(token_ids, list) else list(token_ids)
         if not new:
             return []
-        need = self.blocks_needed(len(new))
-        if need > self.allocator.num_free_blocks:
+        alloc, bs = self.allocator, self.block_size
+        start = len(self.token_ids)
+        end = start + len(new)
+        shared = self._last_block_is_shared()
+        need = max(0, -(-end // bs) - len(self.block_ids)) + shared
+        if need > alloc.num_free_blocks:
             raise NoFreeBlocksError(
-                f"appending {len(new)} tokens needs {need} blocks, "
-                f"only {self.allocator.num_free_blocks} are free"
-            )
+                f"appending {len(new)} tokens needs {need} blocks, only {alloc.num_free_blocks} are free")
         copies: list[CopyOnWrite] = []
-        if self._last_block_is_shared():
+        if shared:
             # Copy-on-write: another table holds our partly filled last block. Writing into
             # it would change their sequence, so we take a private copy and drop our share.
-            index = len(self.token_ids) // self.block_size
+            index = start // bs
             src = self.block_ids[index]
-            dst = self.allocator.allocate()
-            self.allocator.free(src)
+            dst = alloc.allocate()
+            alloc.free(src)
             self.block_ids[index] = dst
             copies.append((src, dst))
-        bs = self.block_size
-        first_block = len(self.token_ids) // bs
-        for token in new:
-            if len(self.token_ids) == len(self.block_ids) * bs:
-                self.block_ids.append(self.allocator.allocate())
-            self.token_ids.append(token)
-            if len(self.token_ids) % bs == 0 and self.allocator.enable_prefix_caching:
-                self._publish_last_full_block()
-        end = len(self.token_ids)
-        for b in range(first_block, (end - 1) // bs + 1):
-            self.allocator.set_fill(self.block_ids[b], min(bs, end - b * bs))
+        for _ in range(need - shared):
+            self.block_ids.append(alloc.allocate())
+        self.token_ids.extend(new)
+        for b in range(start // bs, (end - 1) // bs + 1):
+            alloc.set_fill(self.block_ids[b], min(bs, end - b * bs))
+        if computed:
+            self.cache_computed_blocks(end)
         return copies
+
+    def cache_computed_blocks(self, num_computed_tokens: int) -> None:
+        """Publish to the prefix cache every full block within the first
+        ``num_computed_tokens`` tokens (those whose K/V has been written), in order:
+        each block's hash chains on the previous one's."""
+        if self.allocator.enable_prefix_caching:
+            for b in range(len(self.block_hashes), num_computed_tokens // self.block_size):
+                self._publish_full_block(b)
+
+    def _publish_full_block(self, b: int) -> None:
+        bs = self.block_size
+        block = tuple(self.token_ids[b * bs:(b + 1) * bs])
+        parent = self.block_hashes[b - 1] if b else ROOT_HASH
+        block_hash = hash_block(parent, block)
+        self.block_hashes.append(block_hash)
+        self.allocator.register(self.block_ids[b], block_hash, parent, block)
 
     def reserve(self, num_tokens: int) -> None:
         """Allocate, now, every block needed to hold ``num_tokens`` tokens in all.
@@ -170,20 +191,12 @@ class BlockTable:
         for _ in range(need):
             self.block_ids.append(self.allocator.allocate())
 
-    def _publish_last_full_block(self) -> None:
-        bs = self.block_size
-        block = tuple(self.token_ids[-bs:])
-        parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-        block_hash = hash_block(parent, block)
-        self.block_hashes.append(block_hash)
-        self.allocator.register(self.block_ids[-1], block_hash, parent, block)
-
     def _last_block_is_shared(self) -> bool:
         """Whether the block the next token goes into is partly filled and held by others."""
         n = len(self.token_ids)
         if n % self.block_size == 0:
             return False
-        return self.allocator.ref_count(self.block_ids[n // self.block_size]) > 1
+        return self.allocator._ref_counts[self.block_ids[n // self.block_size]] > 1
 
     # ---- sharing and release -------------------------------------------------------
     def fork(self) -> "BlockTable":

@@ -86,6 +86,9 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if request.params.n > self.max_num_seqs:
+            raise ValueError(f"request {rid!r}: n={request.params.n} samples exceed "
+                             f"max_num_seqs={self.max_num_seqs}")
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError(f"request {rid!r}: the prompt is empty")
@@ -178,12 +181,18 @@ class Scheduler:
         #    iteration that had to preempt: memory is short, admitting would thrash).
         num_cached = 0
         if not preempted and self._batch_may_grow():
-            while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            # An n > 1 request forks into n sequences after its prefill: keep room for all.
+            width = sum(1 if s.request.forked else s.request.params.n for s in self.running) if self.waiting else 0
+            while self.waiting and budget > 0:
                 seq = self.waiting[0]
+                seq_width = 1 if seq.request.forked else seq.request.params.n
+                if width + seq_width > self.max_num_seqs:
+                    break
                 admitted = self._admit(seq, budget)
                 if admitted is None:
                     break               # FCFS: nobody overtakes the head of the queue
                 self.waiting.popleft()
+                width += seq_width
                 num_new, new_copies = admitted
                 seq.status = Status.RUNNING
                 self.running.append(seq)
@@ -202,7 +211,9 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_new: int) -> list[tuple[int, int]]:
         start = seq.num_computed_tokens
-        return seq.block_table.append_tokens(seq.token_ids[start:start + num_new])
+        # computed=False: these slots get their K/V only when the iteration runs, so
+        # they enter the prefix cache in update(), not now.
+        return seq.block_table.append_tokens(seq.token_ids[start:start + num_new], computed=False)
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         """The plan for one sequence. Samples: none mid-prompt; n when an n > 1 request forks."""
@@ -261,6 +272,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue                       # aborted while the batch ran
             seq.num_computed_tokens += item.num_new_tokens
+            seq.block_table.cache_computed_blocks(seq.num_computed_tokens)
             if item.is_prefill:
                 self.num_prompt_tokens_computed += item.num_new_tokens
             if item.num_samples == 0:

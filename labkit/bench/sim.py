@@ -1,0 +1,136 @@
+"""``python -m labkit.bench sim``: a trace through the real scheduler, simulated time.
+
+Examples::
+
+    python -m labkit.bench sim --dataset sharegpt --num-requests 1000 --policy both --json
+    python -m labkit.bench sim --trace my.jsonl --policy static --reserve max_tokens --json
+    python -m labkit.bench sim --overhead 256,1024      # wall time per schedule() call
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ..memory import BlockAllocator
+from ..sampling_params import SamplingParams
+from ..request import Request
+from ..scheduler import Scheduler
+from ..sim import (LinearCostModel, POLICIES, dummy_token, load_trace, shared_prompt_trace,
+                   simulate, synthetic_trace)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m labkit.bench sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("workload")
+    src.add_argument("--trace", help="JSONL trace file (prompt_len, output_len, arrival_s per line)")
+    src.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "alpaca", "shared-prompt"],
+                     help="synthetic trace when --trace is not given (default: sharegpt)")
+    src.add_argument("--num-requests", type=int, default=1000)
+    src.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: all at t=0)")
+    src.add_argument("--seed", type=int, default=0)
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--policy", default="both", choices=[*POLICIES, "both"])
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--num-blocks", type=int, default=2048)
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--max-model-len", type=int, default=2048)
+    eng.add_argument("--reserve", default="model", choices=["model", "max_tokens"],
+                     help="static policy: reserve the model's max length or prompt+max_tokens")
+    eng.add_argument("--no-chunked-prefill", action="store_true")
+    eng.add_argument("--prefix-caching", action="store_true")
+    eng.add_argument("--cost", default=None, metavar="FIXED,PER_TOKEN,PER_CONTEXT_TOKEN",
+                     help="linear cost model in seconds (default: fitted to SmolLM2-135M on this CPU)")
+    p.add_argument("--overhead", default=None, metavar="N[,N...]",
+                   help="instead: measure wall time per schedule()+update() with N running requests")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.overhead:
+        result = {f"running_{n}": measure_overhead(int(n)) for n in args.overhead.split(",")}
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    if args.trace:
+        trace = load_trace(args.trace)
+    elif args.dataset == "shared-prompt":
+        trace = shared_prompt_trace(args.num_requests, rate=args.rate, seed=args.seed)
+    else:
+        trace = synthetic_trace(args.dataset, args.num_requests, rate=args.rate, seed=args.seed,
+                                max_len=args.max_model_len)
+    cost = None
+    if args.cost:
+        try:
+            fixed, per_token, per_ctx = (float(x) for x in args.cost.split(","))
+        except ValueError:
+            print(f"--cost wants three numbers FIXED,PER_TOKEN,PER_CONTEXT_TOKEN, got {args.cost!r}", file=sys.stderr)
+            return 2
+        cost = LinearCostModel(fixed, per_token, per_ctx, name="custom")
+    policies = POLICIES if args.policy == "both" else (args.policy,)
+    results = {}
+    for policy in policies:
+        res = simulate(trace, policy, block_size=args.block_size, num_blocks=args.num_blocks,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_chunked_prefill=not args.no_chunked_prefill,
+                       enable_prefix_caching=args.prefix_caching, max_model_len=args.max_model_len,
+                       reserve=args.reserve, cost_model=cost, keep_records=True,
+                       progress=not args.no_progress and not args.json)
+        m = res.metrics
+        m["schedule_ms_per_step"] = 1000 * m["scheduler_wall_s"] / max(1, m["steps"])
+        results[policy] = m
+    if len(results) == 1:
+        out = next(iter(results.values()))
+    else:
+        out = dict(results)
+        out["throughput_ratio_continuous_over_static"] = (
+            results["continuous"]["output_tok_per_s"] / results["static"]["output_tok_per_s"])
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+def measure_overhead(num_running: int, iterations: int = 50) -> dict:
+    """Wall time of ``schedule()`` and ``update()`` with ``num_running`` decoding sequences."""
+    block_size = 16
+    alloc = BlockAllocator(num_running * 64 + 64, block_size)
+    sched = Scheduler(alloc, max_num_seqs=num_running, max_num_batched_tokens=max(2048, num_running * 128))
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    for i in range(num_running):
+        sched.add_request(Request(f"r{i}", [1 + (i + j) % 1000 for j in range(100)], params))
+
+    def step() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        sampled = [[dummy_token(s.seq.request.request_id, 0, s.start + s.num_new_tokens, 32000)]
+                   * s.num_samples for s in plan.scheduled]
+        t2 = time.perf_counter()
+        sched.update(plan, sampled, 0.0)
+        return t1 - t0, time.perf_counter() - t2
+
+    while any(s.is_prefill for s in sched.running) or sched.waiting:
+        step()                                       # get everyone into decode first
+    for _ in range(5):
+        step()
+    sch, upd = [], []
+    for _ in range(iterations):
+        a, b = step()
+        sch.append(a)
+        upd.append(b)
+    sch.sort()
+    upd.sort()
+    return {"schedule_ms_median": 1000 * sch[len(sch) // 2], "update_ms_median": 1000 * upd[len(upd) // 2],
+            "num_running": sched.num_running}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

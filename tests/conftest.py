@@ -1,0 +1,32 @@
+"""Shared test setup: GPU tests skip with a printed reason on machines without CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Triton's interpreter must be chosen before any kernel is decorated: decide once, here,
+# before a test module imports labkit.kernels.
+try:
+    import torch
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:          # pragma: no cover - torch is a dependency
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+NO_GPU_REASON = "no CUDA GPU on this machine: compiled Triton kernels need one (CPU runs the interpreter tests)"
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason=NO_GPU_REASON)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    return f"labkit: CUDA {'available' if _HAS_CUDA else 'not available: gpu tests skip'}"

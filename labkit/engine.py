@@ -6,8 +6,9 @@ Only the executor differs, so the notebooks' animations, the simulator's long tr
 real generation all go through the same scheduler and block manager.
 
 An executor has one method, ``execute(plan) -> ExecuteResult``, and two attributes:
-``simulated`` (whether its durations are modelled rather than measured) and, optionally,
-``tokenizer`` (for stop strings and text).
+``simulated`` (whether its durations are modelled rather than measured). Given a
+tokenizer, the engine also turns tokens into text as they arrive and stops sequences at
+their stop strings, in the same iteration.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
+from .detokenizer import IncrementalDetokenizer
 from .request import Request, Sequence, Status
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, StepRecord
@@ -57,6 +59,9 @@ class Engine:
         self.busy_s = 0.0               # time spent in iterations (executor + bookkeeping)
         self.schedule_s = 0.0           # time spent in schedule() + update(), measured
         self.num_steps = 0
+        self.last_plan: SchedulerOutput | None = None
+        self._detok: dict[int, IncrementalDetokenizer] = {}   # seq_id -> its text so far
+        self.deltas: dict[int, str] = {}                      # seq_id -> text gained last step
 
     @property
     def now(self) -> float:
@@ -111,7 +116,8 @@ class Engine:
         end = self.now
         finished = self.scheduler.update(plan, result.sampled, end)
         if self.tokenizer is not None:
-            finished += self._check_stop_strings(plan, end)
+            finished += self._detokenize(plan, end)
+        self.last_plan = plan
         t3 = time.perf_counter()
         self.schedule_s += (t1 - t0) + (t3 - t2)
         self.busy_s += end - start
@@ -125,28 +131,54 @@ class Engine:
         while self.scheduler.has_unfinished:
             self.step()
 
-    def _check_stop_strings(self, plan: SchedulerOutput, now: float) -> list[Request]:
-        """Finish sequences whose text now contains one of their stop strings."""
+    def _detokenize(self, plan: SchedulerOutput, now: float) -> list[Request]:
+        """Extend each sampled sequence's text; finish the ones that produced a stop string
+        (the text is cut before it, as vLLM does). Returns requests that finished so."""
         finished = []
         for item in plan.scheduled:
-            seq = item.seq
-            params = seq.request.params
-            if not params.stop or seq.status is not Status.RUNNING or item.num_samples == 0:
+            if item.num_samples == 0:
                 continue
-            if self._stop_string_hit(seq, params.stop):
-                self.scheduler.finish_sequence(seq, "stop")
-                request = seq.request
-                if request.finished and request.request_id in self.scheduler.requests:
-                    del self.scheduler.requests[request.request_id]
-                    request.finish_time = now
-                    finished.append(request)
+            request = item.seq.request
+            # At a fork, every sequence of the request got its first token in this iteration.
+            targets = request.seqs if item.num_samples > 1 else (item.seq,)
+            for seq in targets:
+                detok = self._detok.get(seq.seq_id)
+                if detok is None:
+                    detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
+                before = len(detok.text)
+                self.deltas[seq.seq_id] = detok.add(seq.output_token_ids[len(detok.token_ids):])
+                if request.params.stop and self._cut_at_stop(detok, before, request.params.stop):
+                    self.deltas[seq.seq_id] = detok.text[before:]
+                    if seq.status is Status.RUNNING:
+                        self.scheduler.finish_sequence(seq, "stop")
+                    else:
+                        seq.finish_reason = "stop"
+                    if request.finished and request.request_id in self.scheduler.requests:
+                        del self.scheduler.requests[request.request_id]
+                        request.finish_time = now
+                        finished.append(request)
         return finished
 
-    def _stop_string_hit(self, seq: Sequence, stops: list[str]) -> bool:
-        # Only the tail can contain a new match: decode a window wide enough for the longest stop.
-        window = max(len(s) for s in stops) + 8
-        tail = self.tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=True)
-        return any(s in tail for s in stops)
+    @staticmethod
+    def _cut_at_stop(detok: IncrementalDetokenizer, before: int, stops: list[str]) -> bool:
+        # A new match must end in the new text: search from len(stop) - 1 chars before it.
+        start = max(0, before - max(len(s) for s in stops) + 1)
+        hits = [i for i in (detok.text.find(s, start) for s in stops) if i >= 0]
+        if not hits:
+            return False
+        detok.text = detok.text[:min(hits)]
+        return True
+
+    def text_of(self, seq: Sequence) -> str:
+        """The detokenized output of ``seq`` so far (stop strings cut away)."""
+        detok = self._detok.get(seq.seq_id)
+        return detok.text if detok is not None else ""
+
+    def release(self, request: Request) -> None:
+        """Forget a finished request's text state (the caller has read its output)."""
+        for seq in request.seqs:
+            self._detok.pop(seq.seq_id, None)
+            self.deltas.pop(seq.seq_id, None)
 
     # ---- numbers for notebooks and benchmarks --------------------------------------
     def stats(self) -> dict:

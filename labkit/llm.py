@@ -1,0 +1,265 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``.
+
+It wires the layers together: the model runner (weights + paged KV cache), a block
+allocator with exactly as many blocks as the KV cache holds, the scheduler, the engine
+loop. Names and shapes follow vLLM's offline API on purpose, so code written against
+labkit ports to vLLM when a user outgrows one machine.
+
+    from labkit import LLM, SamplingParams
+    llm = LLM()                                     # SmolLM2-135M-Instruct, offline
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import warnings
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from .engine import Engine
+from .executor import ModelExecutor
+from .memory import BlockAllocator
+from .model.kv_cache import DEFAULT_KV_BUDGET_BYTES, kv_bytes_per_token
+from .model.loader import load_model
+from .model.runner import ModelRunner
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, StaticScheduler
+
+Prompt = str | list[int]
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class LLM:
+    """A small, real LLM server in one object: paged KV cache, continuous batching.
+
+    Memory: give ``num_blocks`` (KV blocks of ``block_size`` tokens), or a byte budget
+    ``kv_cache_memory`` (default 2 GiB); asking for more than the machine has is an error.
+    ``policy="static"`` runs the static-batching baseline on the same model instead.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", *, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 attention_backend: str = "auto", dtype: str | torch.dtype = "float32",
+                 device: str | None = None, policy: str = "continuous", watermark: float = 0.01,
+                 num_threads: int | None = None):
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"policy must be 'continuous' or 'static', got {policy!r}")
+        if not isinstance(block_size, int) or not 1 <= block_size <= 256:
+            raise ValueError(f"block_size must be an integer in [1, 256], got {block_size!r}")
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("give num_blocks or kv_cache_memory, not both")
+        torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+        if torch_dtype is None:
+            raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+        if kv_cache_memory is not None and (not isinstance(kv_cache_memory, int) or kv_cache_memory <= 0):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        loaded = load_model(model, dtype=torch_dtype, device=device)
+        # Check the KV cache fits before allocating it: more memory than exists is an error.
+        per_block = kv_bytes_per_token(loaded.config, torch_dtype) * block_size
+        planned = num_blocks * per_block if num_blocks else (kv_cache_memory or DEFAULT_KV_BUDGET_BYTES)
+        _check_kv_fits(planned, device)
+        self.runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks,
+                                  kv_budget_bytes=kv_cache_memory, attention_backend=attention_backend,
+                                  dtype=torch_dtype, device=device, num_threads=num_threads)
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = min(max_model_len or self.runner.max_model_len, self.runner.max_model_len)
+        allocator = BlockAllocator(self.runner.num_blocks, block_size, enable_prefix_caching)
+        common = dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                      eos_token_ids=self.runner.eos_token_ids)
+        if policy == "static":
+            scheduler = StaticScheduler(allocator, **common)
+        else:
+            scheduler = Scheduler(allocator, max_num_batched_tokens=max_num_batched_tokens,
+                                  enable_chunked_prefill=enable_chunked_prefill, watermark=watermark, **common)
+        self.engine = Engine(scheduler, ModelExecutor(self.runner), tokenizer=self.tokenizer)
+        self._ids = itertools.count()
+        print(f"labkit: {self.runner.name} on {device} ({torch_dtype}), "
+              f"attention backend: {self.runner.attention_backend_reason}; "
+              f"KV cache {self.runner.num_blocks} blocks x {block_size} tokens "
+              f"({self.runner.kv_cache.nbytes / 2**20:.0f} MiB)", file=sys.stderr)
+
+    # ---- generation ---------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Serve every prompt (text or token ids) and return their outputs in input order.
+
+        A prompt that can never be served (longer than the model allows, or than the whole
+        KV cache) gets an output with ``error`` set and ``finish_reason="error"``; the
+        others complete. Invalid sampling parameters raise ``ValueError`` before anything runs.
+        """
+        requests = self._submit(prompts, sampling_params)
+        live = [r for r in requests if isinstance(r, Request)]
+        bar = _progress_bar(len(live), use_tqdm and len(live) > 1)
+        remaining = {r.request_id for r in live}
+        while remaining:
+            done = self.engine.step()
+            for r in done:
+                remaining.discard(r.request_id)
+            if bar is not None and done:
+                bar.update(len(done))
+            if not done and not self.engine.has_unfinished:
+                break
+        if bar is not None:
+            bar.close()
+        outputs = [self._output(r) for r in requests]
+        for r in live:
+            self.engine.release(r)
+        return outputs
+
+    def generate_stream(self, prompts: Prompt | Seq[Prompt],
+                        sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Like ``generate``, but yields a ``RequestOutput`` each time a request gains tokens
+        (``delta`` holds the new text per sample) and once more when it finishes."""
+        requests = self._submit(prompts, sampling_params)
+        for r in requests:
+            if not isinstance(r, Request):
+                yield self._output(r)
+        remaining = {r.request_id: r for r in requests if isinstance(r, Request)}
+        try:
+            while remaining:
+                finished = {r.request_id for r in self.engine.step()}
+                plan = self.engine.last_plan
+                touched = {item.seq.request.request_id for item in plan.scheduled if item.num_samples} if plan else set()
+                for rid in list(remaining):
+                    if rid in touched or rid in finished:
+                        request = remaining[rid]
+                        yield self._output(request, with_delta=True)
+                        if request.finished:
+                            self.engine.release(request)
+                            del remaining[rid]
+                if not self.engine.has_unfinished:
+                    break
+        finally:
+            for rid in remaining:             # the consumer stopped early: free the blocks
+                self.engine.abort(rid)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to chat conversations, formatted with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _submit(self, prompts, sampling_params) -> list[Request | RequestOutput]:
+        """Check everything first, then queue: a ValueError leaves the engine untouched."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"expected SamplingParams, got {type(p).__name__}")
+            p.validate()
+        encoded = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                encoded.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=True)))
+            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+                bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
+                encoded.append((None, list(prompt), bad))
+                continue
+            else:
+                raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        out: list[Request | RequestOutput] = []
+        for item, p in zip(encoded, params):
+            text, ids = item[0], item[1]
+            request_id = str(next(self._ids))
+            if len(item) == 3 and item[2]:
+                error = f"request {request_id!r}: token ids out of range [0, {self.runner.vocab_size}): {item[2][:5]}"
+            else:
+                try:
+                    out.append(self.engine.add_request(ids, p, request_id=request_id, prompt=text))
+                    continue
+                except ValueError as e:
+                    error = str(e)
+            warnings.warn(f"labkit: request rejected: {error}", stacklevel=3)
+            out.append(RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids,
+                                     outputs=[CompletionOutput(0, "", [], "error")], finished=True,
+                                     metrics=RequestMetrics(self.engine.now), error=error))
+        return out
+
+    def _output(self, r: Request | RequestOutput, with_delta: bool = False) -> RequestOutput:
+        if isinstance(r, RequestOutput):
+            return r
+        seqs = sorted(r.seqs, key=lambda s: s.index)
+        engine = self.engine
+        outputs = [CompletionOutput(s.index, engine.text_of(s), list(s.output_token_ids), s.finish_reason)
+                   for s in seqs]
+        return RequestOutput(
+            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
+            outputs=outputs, finished=r.finished,
+            metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time),
+            num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
+            delta=[engine.deltas.get(s.seq_id, "") for s in seqs] if with_delta else [])
+
+    # ---- inspection ---------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters of the engine and the KV cache, as numbers (see design.md)."""
+        s = self.engine.stats()
+        s.update(model=self.runner.name, attention_backend=self.runner.attention_backend,
+                 kv_cache_bytes=self.runner.kv_cache.nbytes, max_model_len=self.max_model_len)
+        return s
+
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prefixes that no request holds. Returns how many blocks were freed."""
+        return self.engine.scheduler.allocator.reset_prefix_cache()
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.engine.scheduler.allocator
+
+
+def _check_kv_fits(nbytes: int, device) -> None:
+    """Refuse a KV cache larger than the memory the device has free."""
+    available = _available_memory(device)
+    if available is not None and nbytes > available:
+        raise ValueError(f"the KV cache would take {nbytes / 2**30:.2f} GiB but only "
+                         f"{available / 2**30:.2f} GiB of {device} memory is available; "
+                         "ask for fewer num_blocks or a smaller kv_cache_memory")
+
+
+def _available_memory(device) -> int | None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)

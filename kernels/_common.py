@@ -1,0 +1,281 @@
+"""Helpers shared by the kernel files: argument checks, the Triton import, and the torch
+building blocks of the references.
+
+Nothing here is a kernel. Read the kernel files first; come here when one of them calls
+``check_*``, ``gather_paged_kv`` or ``dense_gqa_attention``.
+
+Triton is imported here, once, with a guard: on a machine without it, ``triton`` and ``tl``
+are stand-ins that let the kernel files *define* their ``@triton.jit`` functions (so the
+torch references in those files stay importable) and refuse, with the original import
+error, the moment someone tries to launch one.
+"""
+
+import math
+import threading
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_IMPORT_ERROR: ImportError | None = None
+except ImportError as _err:  # pragma: no cover - exercised only where triton is absent
+    TRITON_IMPORT_ERROR = _err
+
+    class _MissingTriton:
+        """Stands in for ``triton`` and ``triton.language`` when Triton is not installed."""
+
+        def __getattr__(self, name: str) -> "_MissingTriton":
+            return self  # tl.constexpr, tl.float32 ...: only used as annotations at import
+
+        def __call__(self, fn=None, **kwargs) -> "_MissingTriton":
+            return self  # @triton.jit
+
+        def __getitem__(self, grid) -> "_MissingTriton":
+            raise RuntimeError(f"Triton is not installed ({TRITON_IMPORT_ERROR}); "
+                               "use the 'torch' attention backend") from TRITON_IMPORT_ERROR
+
+    triton = tl = _MissingTriton()  # type: ignore[assignment]
+
+HAS_TRITON = TRITON_IMPORT_ERROR is None
+SUPPORTED_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+# The kernels compute exp(x) as exp2(x * log2(e)) (exp2 is the hardware instruction) and fold
+# log2(e) into the softmax scale once, on the host.
+LOG2E = math.log2(math.e)
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (tl.arange needs power-of-two lengths)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def kernel_is_interpreted(kernel) -> bool:
+    """True when ``kernel`` was decorated while TRITON_INTERPRET=1 was set.
+
+    Triton decides at decoration time (module import), not at launch: the type of the
+    decorated object is the ground truth, whatever the environment says now.
+    """
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate a layer's paged cache; returns (num_blocks, block_size, num_kv_heads, head_dim).
+
+    Invariant the kernels rely on: K and V share one shape and one memory layout, so a
+    token's offset computed once addresses both.
+    """
+    if k_cache.dim() != 4:
+        raise ValueError("k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got shape {tuple(k_cache.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                         "must have the same shape and strides")
+    if k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
+        raise ValueError("k_cache and v_cache must share dtype and device")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor) -> int:
+    """Validate the arguments every paged attention call shares; returns the GQA group size.
+
+    Query head ``h`` reads KV head ``h // group`` (the convention of Hugging Face's
+    ``repeat_kv``): the ``group`` query heads of one KV head are consecutive.
+    """
+    _, _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [tokens, num_heads, {head_dim}], got {tuple(q.shape)}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if block_tables.dim() != 2 or block_tables.dtype.is_floating_point:
+        raise ValueError("block_tables must be an integer [num_seqs, max_blocks_per_seq] tensor")
+    if context_lens.shape != (block_tables.shape[0],) or context_lens.dtype.is_floating_point:
+        raise ValueError(f"context_lens must be an integer [num_seqs] tensor, got {tuple(context_lens.shape)}")
+    return q.shape[1] // num_kv_heads
+
+
+def check_triton_launch(kernel, *tensors: torch.Tensor) -> None:
+    """Refuse, with a message that says what to do, a launch that cannot give right answers.
+
+    - Triton absent: say so.
+    - Kernels compiled for a GPU (TRITON_INTERPRET unset at import) but CPU tensors.
+    - bf16 under the interpreter: it computes bf16 silently wrong, so refuse instead.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError(f"Triton is not installed ({TRITON_IMPORT_ERROR}); use the 'torch' "
+                           "attention backend") from TRITON_IMPORT_ERROR
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError("all tensors must be on one device, got " + ", ".join(sorted({str(t.device) for t in tensors})))
+    dtype = tensors[0].dtype
+    if dtype not in SUPPORTED_KERNEL_DTYPES:
+        raise ValueError(f"the Triton kernels take fp16, bf16 or fp32, got {dtype}")
+    interpreted = kernel_is_interpreted(kernel)
+    if not interpreted and device.type != "cuda":
+        raise RuntimeError(
+            f"the Triton kernels were compiled for a GPU but the tensors are on {device}. To run them "
+            "on the CPU through the Triton interpreter, set TRITON_INTERPRET=1 in the environment "
+            "before importing labkit.kernels (Triton reads it when the kernels are defined); "
+            "otherwise use the 'torch' attention backend")
+    if interpreted and dtype == torch.bfloat16:
+        raise ValueError("bf16 is refused under the Triton interpreter (TRITON_INTERPRET=1): it "
+                         "computes bf16 wrongly without an error. Use fp16 or fp32 on CPU; bf16 "
+                         "works with the compiled kernels on a GPU")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: exact fp32 products for fp32 (the default, tf32, keeps only
+    10 mantissa bits on Ampere+ and would miss the 1e-5 contract); fp16/bf16 ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dim as the kernels see it: a power of two >= 16 (tl.arange and tl.dot want both);
+    the extra lanes are masked off on every load and store."""
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported by the Triton kernels")
+    return max(16, next_power_of_2(head_dim))
+
+
+# ------------------------------------------------------------- torch reference blocks
+
+
+def gather_paged_kv(cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, max_len: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy each sequence's tokens out of the paged cache into a dense, padded tensor.
+
+    cache [num_blocks, block_size, kv_heads, d], block_tables [S, >= blocks needed],
+    context_lens [S] -> [S, T, kv_heads, d] with T = max_len rounded up to whole blocks.
+    Row t of sequence s is token t of s; rows at t >= context_lens[s] are zeros.
+
+    Why the care:
+    - table entries past a sequence's last block may be garbage (the engine leaves unused
+      entries as they are): they are replaced by block 0 before the gather;
+    - cache slots past a sequence's length were never written and may hold anything, NaN
+      included; a masked score still multiplies V (0 * NaN = NaN), so padding is zeroed.
+    One ``index_select`` on the cache viewed as [num_blocks, block_bytes] copies whole
+    blocks (much faster than indexing the 4-d tensor). ``out``, if given, is a contiguous
+    buffer of at least the result's size and the cache's dtype; the result is a view of it.
+    """
+    num_blocks, block_size, kv_heads, head_dim = cache.shape
+    num_seqs = block_tables.shape[0]
+    blocks = -(-max_len // block_size)
+    table = block_tables[:, :blocks].long()
+    blocks_used = (context_lens.long() + block_size - 1) // block_size
+    in_use = torch.arange(blocks, device=cache.device) < blocks_used[:, None]
+    table = torch.where(in_use, table, torch.zeros_like(table))
+    rows = cache.reshape(num_blocks, -1)
+    if out is None:
+        dense = rows.index_select(0, table.flatten())
+    else:
+        dense = out[: table.numel() * rows.shape[1]].view(table.numel(), rows.shape[1])
+        torch.index_select(rows, 0, table.flatten(), out=dense)
+    tokens = dense.view(num_seqs * blocks * block_size, kv_heads * head_dim)
+    padding = torch.arange(blocks * block_size, device=cache.device) >= context_lens[:, None]
+    tokens.index_fill_(0, padding.flatten().nonzero().squeeze(1), 0)
+    return dense.view(num_seqs, blocks * block_size, kv_heads, head_dim)
+
+
+def dense_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of padded queries over dense, padded keys, GQA without copying K/V.
+
+    q [S, L, H, d]; k, v [S, T, kv_heads, d]; q_pos [S, L] = absolute position of each query:
+    query (s, j) sees keys 0..q_pos[s, j]. Returns [S, L, H, d].
+
+    GQA trick: the ``group = H // kv_heads`` query heads sharing a KV head are folded into
+    that head's query rows, giving q [S, kv_heads, L * group, d] against k [S, kv_heads, T, d]:
+    plain multi-head attention, one pass over each KV head, no ``repeat_interleave`` of K/V.
+    The work is one ``scaled_dot_product_attention`` call (its fused CPU/GPU kernels never
+    materialise the [L*group, T] score matrix).
+    Invariant: every query sees at least key 0 (q_pos >= 0), so no softmax row is empty.
+    """
+    num_seqs, q_len, num_heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // kv_heads
+    folded = q.reshape(num_seqs, q_len, kv_heads, group, head_dim).transpose(1, 2)
+    folded = folded.reshape(num_seqs, kv_heads, q_len * group, head_dim)
+    visible = torch.arange(kv_len, device=q.device) <= q_pos[..., None]  # [S, L, T]
+    mask = visible[:, None, :, None, :].expand(num_seqs, 1, q_len, group, kv_len)
+    mask = mask.reshape(num_seqs, 1, q_len * group, kv_len)
+    out = F.scaled_dot_product_attention(folded, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    out = out.view(num_seqs, kv_heads, q_len, group, head_dim).transpose(1, 2)
+    return out.reshape(num_seqs, q_len, num_heads, head_dim)
+
+
+def reference_compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """dtype the torch references compute in: the kernels accumulate in fp32, so on CPU the
+    references upcast fp16/bf16 too; CUDA's fused SDPA kernels already accumulate in fp32."""
+    if t.device.type == "cuda" or t.dtype in (torch.float32, torch.float64):
+        return t.dtype
+    return torch.float32
+
+
+# On CPU the references gather a few sequences at a time (about this many bytes of K and V)
+# into two buffers kept per thread and reused from chunk to chunk and call to call, so the
+# copies stay in the processor's cache until the attention reads them. Gathering a whole
+# batch into fresh tensors (decode at batch 64, context 512: 50 MB) is 2-3x slower: torch's
+# CPU allocator returns big blocks to the OS, so every call page-faults fresh memory, then
+# reads it all back from DRAM.
+CPU_GATHER_CHUNK_BYTES = 8 << 20
+_workspaces = threading.local()
+
+
+def _cpu_workspace(like: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two flat buffers (for K and for V) of ``numel`` elements of ``like``'s dtype, reused
+    by later calls on this thread (never shared between threads)."""
+    buffers = getattr(_workspaces, "buffers", None)
+    if buffers is None:
+        buffers = _workspaces.buffers = {}
+    key = (like.dtype, like.device)
+    if key not in buffers or buffers[key][0].numel() < numel:
+        buffers[key] = (torch.empty(numel, dtype=like.dtype, device=like.device),
+                        torch.empty(numel, dtype=like.dtype, device=like.device))
+    return buffers[key]
+
+
+def paged_attention_torch(q: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch references' common core: padded queries against paged K/V.
+
+    q [S, L, H, d] (padded per sequence), q_pos [S, L] the absolute position of each query,
+    caches [num_blocks, block_size, kv_heads, d], block_tables [S, ...], context_lens [S].
+    Returns [S, L, H, d] in q's dtype. Query (s, j) sees tokens 0..q_pos[s, j] of
+    sequence s, which must all be < context_lens[s].
+
+    Gather + dense attention, vectorized over sequences; on CPU over chunks of sequences
+    sized by ``CPU_GATHER_CHUNK_BYTES`` (a loop over a handful of chunks, not sequences).
+    """
+    dtype = reference_compute_dtype(q)
+    num_seqs = q.shape[0]
+    lens = context_lens.tolist()  # one host sync for all chunk sizes
+    _, _, kv_heads, head_dim = k_cache.shape
+    bytes_per_seq = 2 * max(lens) * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    k_buf = v_buf = None
+    if q.device.type == "cuda":  # its caching allocator recycles memory; one chunk is best
+        chunk = num_seqs
+    else:
+        chunk = max(1, CPU_GATHER_CHUNK_BYTES // bytes_per_seq)
+        block_size = k_cache.shape[1]
+        padded_len = -(-max(lens) // block_size) * block_size
+        k_buf, v_buf = _cpu_workspace(k_cache, min(chunk, num_seqs) * padded_len * kv_heads * head_dim)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for first in range(0, num_seqs, chunk):
+        seqs = slice(first, first + chunk)
+        max_len = max(lens[seqs])
+        k = gather_paged_kv(k_cache, block_tables[seqs], context_lens[seqs], max_len, k_buf).to(dtype)
+        v = gather_paged_kv(v_cache, block_tables[seqs], context_lens[seqs], max_len, v_buf).to(dtype)
+        out[seqs] = dense_gqa_attention(q[seqs].to(dtype), k, v, q_pos[seqs], scale)
+    return out.to(q.dtype)

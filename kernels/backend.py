@@ -1,0 +1,128 @@
+"""Choosing the attention backend: the Triton kernels or their torch references.
+
+Two backends compute the same three operations (write K/V into the cache, decode
+attention, prefill attention):
+
+* ``"triton"``: the kernels in this package. Compiled, they need an NVIDIA GPU of compute
+  capability 8.0+ (A100, L4, H100...; Colab's free T4 is 7.5 and is refused by Triton).
+  On a CPU they can run under the Triton interpreter (``TRITON_INTERPRET=1``): correct, very
+  slow, for tests and for stepping through a kernel.
+* ``"torch"``: the references (gather blocks + ``scaled_dot_product_attention``). They run
+  anywhere; on CPU they are the fast path.
+
+``"auto"`` picks compiled Triton where it can run and the torch reference elsewhere, and
+says why, so the engine can print the reason once.
+
+Interpreter or compiler is decided when the ``@triton.jit`` functions are *defined*, i.e.
+when ``labkit.kernels`` is imported: ``labkit/kernels/__init__.py`` sets
+``TRITON_INTERPRET=1`` (unless already set) on machines without CUDA, before importing the
+kernels. The decision cannot be changed afterwards in the same process.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ._common import HAS_TRITON, TRITON_IMPORT_ERROR, kernel_is_interpreted
+from .paged_decode_attention import _paged_decode_kernel, paged_decode_attention, paged_decode_attention_ref
+from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+
+BACKENDS = ("auto", "torch", "triton")
+MIN_COMPUTE_CAPABILITY = (8, 0)
+_NO_CUDA = ("torch reference: no CUDA device (Triton runs compiled on CUDA GPUs of compute "
+            "capability 8.0+)")
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The three attention operations of one backend, with the signatures of
+    :func:`reshape_and_cache`, :func:`paged_decode_attention` and
+    :func:`paged_prefill_attention`."""
+
+    name: str                                  # "torch" or "triton"
+    reshape_and_cache: Callable[..., None]
+    decode: Callable[..., torch.Tensor]
+    prefill: Callable[..., torch.Tensor]
+
+
+def triton_is_interpreted() -> bool:
+    """True when this process's Triton kernels run under the interpreter (fixed at import)."""
+    return HAS_TRITON and kernel_is_interpreted(_paged_decode_kernel)
+
+
+def _check_name(name: str, options: tuple[str, ...]) -> None:
+    if name not in options:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of "
+                         + ", ".join(repr(o) for o in options))
+
+
+def select_attention_backend(requested: str = "auto",
+                             device: torch.device | str | None = None) -> tuple[str, str]:
+    """Resolve ``requested`` ("auto" | "torch" | "triton") for ``device`` into
+    ``(backend, reason)``, backend being "torch" or "triton" and reason a sentence for
+    the user.
+
+    ``device`` None means CUDA if available, else CPU. "auto" never fails; an explicit
+    "triton" that cannot run raises RuntimeError saying why and what to do.
+    """
+    _check_name(requested, BACKENDS)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if requested == "torch":
+        return "torch", "torch reference: requested"
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        if requested == "auto":
+            return "torch", _NO_CUDA
+        if device.type == "cuda":
+            raise RuntimeError(f"attention backend 'triton' on {device}: no CUDA device is available")
+        if not HAS_TRITON:
+            raise RuntimeError(f"attention backend 'triton' needs Triton, which is not installed "
+                               f"({TRITON_IMPORT_ERROR}); use 'torch' or 'auto'")
+        if not triton_is_interpreted():
+            raise RuntimeError(
+                f"attention backend 'triton' on {device} runs the Triton interpreter, but "
+                "labkit.kernels was imported without TRITON_INTERPRET=1, so its kernels are "
+                "compiled for a GPU. Set TRITON_INTERPRET=1 in the environment before anything "
+                "imports labkit.kernels (Triton reads it when the kernels are defined), or use "
+                "'torch' or 'auto'")
+        return "triton", (f"Triton interpreter on {device} (TRITON_INTERPRET=1): exact but very "
+                          "slow, for tests and for stepping through the kernels")
+
+    if not HAS_TRITON:
+        why = f"Triton is not installed ({TRITON_IMPORT_ERROR})"
+        if requested == "auto":
+            return "torch", f"torch reference: {why}"
+        raise RuntimeError(f"attention backend 'triton': {why}; use 'torch' or 'auto'")
+    capability = torch.cuda.get_device_capability(device)
+    gpu = f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+    if capability < MIN_COMPUTE_CAPABILITY:
+        why = f"{gpu}: Triton needs compute capability 8.0+"
+        if requested == "auto":
+            return "torch", f"torch reference: {why}"
+        raise RuntimeError(f"attention backend 'triton' cannot run on {why}; use 'torch' or 'auto'")
+    if triton_is_interpreted():
+        why = "TRITON_INTERPRET=1 was set when labkit.kernels was imported, so Triton would run its slow interpreter"
+        if requested == "auto":
+            return "torch", f"torch reference: {why}"
+        return "triton", f"Triton interpreter on {gpu}: {why}"
+    return "triton", f"Triton kernels compiled for {gpu}"
+
+
+_TORCH_OPS = AttentionOps("torch", reshape_and_cache_ref, paged_decode_attention_ref,
+                          paged_prefill_attention_ref)
+_TRITON_OPS = AttentionOps("triton", reshape_and_cache, paged_decode_attention,
+                           paged_prefill_attention)
+
+
+def get_attention_ops(backend: str) -> AttentionOps:
+    """The operations of a resolved backend, "torch" or "triton" (resolve "auto" with
+    :func:`select_attention_backend` first: the choice depends on the device)."""
+    _check_name(backend, ("torch", "triton"))
+    if backend == "triton" and not HAS_TRITON:
+        raise RuntimeError(f"attention backend 'triton' needs Triton, which is not installed "
+                           f"({TRITON_IMPORT_ERROR}); use 'torch'")
+    return _TORCH_OPS if backend == "torch" else _TRITON_OPS

@@ -1,0 +1,202 @@
+"""Paged prefill attention: chunks of new query tokens against paged context, causally.
+
+A prompt is not always prefilled in one go, nor from scratch:
+
+* **prefix caching**: the first blocks of a prompt may already be in the cache (another
+  request had the same system prompt); only the remaining tokens are computed;
+* **chunked prefill**: a long prompt is split over several steps so that decoding
+  sequences are not stalled; each chunk attends to all earlier chunks.
+
+So each sequence ``i`` brings a *chunk* of ``L_i`` new query tokens whose K/V have just been
+written into the cache (``reshape_and_cache``), and ``context_lens[i]`` counts all of its
+tokens, the chunk included. Query ``j`` of the chunk sits at position
+``p = context_lens[i] - L_i + j`` and attends causally to positions ``0..p``: the cached
+prefix or earlier chunks, then the chunk up to itself.
+
+Several sequences' chunks are packed into one tensor: ``q`` is [total_query_tokens,
+num_heads, head_dim], and sequence ``i``'s rows are
+``query_start_loc[i]:query_start_loc[i + 1]`` (cumulative chunk lengths, like vLLM's
+varlen layout). Chunks of different lengths mix freely in one call.
+
+The kernel builds on ``paged_decode_attention`` (read that first) and reuses its two
+``@triton.jit`` helpers, the paged address computation and the online-softmax step. What is
+new: a program owns a *tile of query tokens* (times the GQA group of one KV head) instead of
+one token, and the causal mask. Grid = sequences x KV heads x query tiles; the rows of a
+tile are token-major, ``row = token * GROUP_PAD + head_in_group``, so the queries of one KV
+head still share every K/V tile they load. A query tile stops reading keys at the last
+position any of its rows can see.
+
+``paged_prefill_attention_ref`` is the torch reference with the same signature.
+"""
+
+import torch
+
+from ._common import (
+    LOG2E,
+    check_attention_inputs,
+    check_triton_launch,
+    dot_precision,
+    next_power_of_2,
+    padded_head_dim,
+    paged_attention_torch,
+    tl,
+    triton,
+)
+from .paged_decode_attention import online_softmax_step, paged_token_offsets
+
+# Rows (query tokens x group heads) per program. 64 keeps tl.dot's M dimension well above
+# its minimum and the accumulator [64, head_dim] comfortably in registers.
+_QUERY_ROWS = 64
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,                                   # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_qd,            # q and out: [total_tokens, num_heads, head_dim]
+    stride_ot, stride_oh, stride_od,
+    stride_cb, stride_co, stride_ch, stride_cd,  # caches: [blocks, block_size, kv_heads, d]
+    stride_bt,                                  # block_tables: [num_seqs, max_blocks]
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    first = tl.program_id(2) * QUERY_TILE       # first chunk token of this query tile
+    q_start = tl.load(query_start_loc_ptr + seq)
+    chunk_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if first >= chunk_len:                      # the grid is sized for the longest chunk
+        return
+    ctx_len = tl.load(context_lens_ptr + seq)
+    prior = ctx_len - chunk_len                 # tokens cached before this chunk
+
+    r = tl.arange(0, QUERY_TILE * GROUP_PAD)
+    j = first + r // GROUP_PAD                  # chunk token of each row
+    g = r % GROUP_PAD                           # query head (within the group) of each row
+    row_mask = (j < chunk_len) & (g < GROUP)
+    # Padding rows (j past the chunk) keep a position >= prior, so they see key 0 and their
+    # softmax stays finite; they are never stored.
+    q_pos = prior + j
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    head = kv_head * GROUP + g
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q_rows = (q_start + j)[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_rows + d[None, :] * stride_qd, mask=io_mask, other=0.0)
+
+    m_i = tl.full([QUERY_TILE * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([QUERY_TILE * GROUP_PAD], tl.float32)
+    acc = tl.zeros([QUERY_TILE * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+
+    block_table_row = block_tables_ptr + seq * stride_bt
+    head_offset = kv_head * stride_ch
+    offs_t = tl.arange(0, TILE)
+    # Keys past the tile's last query position are invisible to every row: stop there.
+    kv_end = tl.minimum(ctx_len, prior + first + QUERY_TILE)
+    for start in range(0, kv_end, TILE):
+        tok = start + offs_t
+        tok_mask = tok < kv_end
+        kv = paged_token_offsets(block_table_row, tok, tok_mask, stride_cb, stride_co, BLOCK_SIZE)
+        kv_ptrs = kv[:, None] + head_offset + d[None, :] * stride_cd
+        kv_mask = tok_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        causal = tok[None, :] <= q_pos[:, None]
+        s = tl.where(causal & tok_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
+
+    out = acc / l_i[:, None]
+    o_rows = (q_start + j)[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(out_ptr + o_rows + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _check_query_start_loc(context_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    if query_start_loc.shape != (context_lens.shape[0] + 1,) or query_start_loc.dtype.is_floating_point:
+        raise ValueError("query_start_loc must be an integer [num_seqs + 1] tensor of cumulative "
+                         f"chunk lengths, got {tuple(query_start_loc.shape)}")
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of packed prefill chunks over the paged cache (Triton).
+
+    q [total_query_tokens, num_heads, head_dim], rows of sequence i at
+    ``query_start_loc[i]:query_start_loc[i + 1]``; caches [num_blocks, block_size,
+    num_kv_heads, head_dim] already holding the chunks' K/V; block_tables
+    [num_seqs, max_blocks_per_seq] int32; context_lens [num_seqs] int32, each including its
+    chunk (so >= the chunk length); query_start_loc [num_seqs + 1] int32.
+    Returns ``out`` shaped like ``q``.
+    """
+    group = check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    _check_query_start_loc(context_lens, query_start_loc)
+    check_triton_launch(_paged_prefill_kernel, q, k_cache, v_cache, block_tables, context_lens,
+                        query_start_loc)
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype")
+    out = torch.empty_like(q)
+    num_seqs = context_lens.shape[0]
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group_pad = next_power_of_2(group)
+    query_tile = max(1, _QUERY_ROWS // group_pad)
+    # One host sync: the grid's third axis must cover the longest chunk.
+    max_chunk = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_chunk, query_tile))
+    _paged_prefill_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+        scale * LOG2E,
+        *q.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, QUERY_TILE=query_tile,
+        HEAD_DIM=q.shape[2], HEAD_DIM_PAD=padded_head_dim(q.shape[2]),
+        BLOCK_SIZE=block_size, TILE=max(16, block_size),
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
+    return out
+
+
+def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(x)) of positive integers, exactly (frexp's exponent is (x-1).bit_length())."""
+    return torch.frexp((x - 1).double()).exponent
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch reference of :func:`paged_prefill_attention`: same arguments, same result.
+
+    Chunks are padded into [seqs, longest chunk, heads, d] and their context gathered into
+    [seqs, longest context, kv_heads, d]; one masked SDPA call then does the rest.
+    Padding everything to the longest chunk and context would waste work quadratically
+    when a 1000-token prompt shares a batch with one-token chunks, so sequences are first
+    grouped by (ceil log2 chunk length, ceil log2 context length): within a group padding
+    at most doubles each side. The loop runs over these few groups, not over sequences.
+    """
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    _check_query_start_loc(context_lens, query_start_loc)
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    starts = query_start_loc[:-1].long()
+    chunk_lens = query_start_loc[1:].long() - starts
+    ctx_lens = context_lens.long()
+    group_key = _ceil_log2(chunk_lens) * 64 + _ceil_log2(ctx_lens)
+    group_key = torch.where(chunk_lens > 0, group_key, -1)  # empty chunks: nothing to do
+    for key in torch.unique(group_key).tolist():
+        if key < 0:
+            continue
+        seqs = (group_key == key).nonzero().squeeze(1)
+        lens, ctx = chunk_lens[seqs, None], ctx_lens[seqs]
+        j = torch.arange(int(lens.max()), device=q.device)
+        real = j < lens                                   # [seqs, longest chunk]
+        j = torch.minimum(j, lens - 1)                    # padding repeats the last query
+        rows = starts[seqs, None] + j                     # row of q for each (seq, j)
+        q_pos = ctx[:, None] - lens + j                   # absolute position of the query
+        o = paged_attention_torch(q[rows], q_pos, k_cache, v_cache, block_tables[seqs], ctx, scale)
+        out[rows[real]] = o[real]
+    return out

@@ -33,7 +33,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "block_table", "status", "finish_reason",
-                 "num_preemptions", "num_cached_tokens")
+                 "num_preemptions", "num_cached_tokens", "num_external_tokens")
 
     def __init__(self, request: "Request", token_ids: list[int], index: int = 0):
         self.seq_id = next(_seq_ids)
@@ -47,6 +47,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0               # prompt tokens served by the prefix cache
+        # Leading tokens whose KV was computed elsewhere and arrives with the sequence (a
+        # prefill instance's transfer, disaggregated serving). Admission takes them as
+        # computed, once: a later preemption drops that KV like any other.
+        self.num_external_tokens = 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -35,7 +35,7 @@ class CacheEntry:
     """What the prefix cache remembers about a full block: its chained hash and its tokens.
 
     The tokens are kept so that a hit is confirmed by comparison, never trusted to the hash
-    alone (two different prefixes with the same hash must not share KV).
+    alone (two different blocks with the same hash must not share KV).
     """
 
     block_hash: int

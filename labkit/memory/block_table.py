@@ -203,6 +203,10 @@ class BlockTable:
         """A child table that shares every block with this one (reference counts go up).
         The first of the two to append into the shared last block copies it."""
         self._check_live()
+        if len(self.block_ids) * self.block_size - len(self.token_ids) >= self.block_size:
+            # Blocks reserved ahead of the tokens would be shared empty, and copy-on-write
+            # only guards the block being filled: both tables would write the next ones.
+            raise ValueError("cannot fork a table holding reserved blocks ahead of its tokens")
         child = BlockTable(self.allocator)
         for block_id in self.block_ids:
             self.allocator.incref(block_id)

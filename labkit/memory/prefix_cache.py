@@ -6,9 +6,11 @@ hold different KV. The hash of block ``i`` therefore chains over the hash of blo
 
     h_0 = H(ROOT_HASH, tokens_0),   h_i = H(h_{i-1}, tokens_i)
 
-Equal hashes mean equal prefixes (up to the hash's collision odds, 2^-128 with BLAKE2b-128);
-the allocator still compares the block's tokens and parent hash on every hit, so a
-collision can never make two different sequences share KV silently.
+Equal hashes mean equal prefixes (up to the hash's collision odds, 2^-128 with BLAKE2b-128).
+The allocator also compares the block's tokens and parent hash on every hit, so two
+different blocks whose own hashes collide never share KV. A collision between two
+*ancestors'* hashes is not caught (the parent is known by its hash only): there the chain
+trusts the 128-bit hash, as vLLM trusts its own.
 """
 
 from __future__ import annotations

@@ -92,6 +92,9 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError(f"request {rid!r}: the prompt is empty")
+        if any(not 0 <= s.num_external_tokens < len(s.token_ids) for s in request.seqs):
+            raise ValueError(f"request {rid!r}: KV arriving from elsewhere must leave at least "
+                             "one token to compute")
         if self.max_model_len is not None and num_prompt >= self.max_model_len:
             raise ValueError(
                 f"request {rid!r}: prompt of {num_prompt} tokens is too long: the model "
@@ -196,7 +199,7 @@ class Scheduler:
                 num_new, new_copies = admitted
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-                num_cached += seq.num_computed_tokens
+                num_cached += seq.num_cached_tokens
                 copies += new_copies
                 scheduled.append(self._scheduled(seq, num_new))
                 budget -= num_new
@@ -232,9 +235,10 @@ class Scheduler:
         it does not fit now. Prefix-cache hits cut both the blocks and the tokens to compute."""
         tokens = seq.token_ids
         table = BlockTable(self.allocator)
+        external = seq.num_external_tokens
         # The last token is always computed: its logits give the next token.
-        hits = table.peek_cached_prefix(tokens, len(tokens) - 1)
-        num_cached = len(hits) * self.block_size
+        hits = [] if external else table.peek_cached_prefix(tokens, len(tokens) - 1)
+        num_cached = external or len(hits) * self.block_size
         remaining = len(tokens) - num_cached
         num_new = min(remaining, budget)
         if num_new < remaining and not self.enable_chunked_prefill:
@@ -244,8 +248,13 @@ class Scheduler:
         reserve = self.watermark_blocks if self.running else 0
         if need > self.allocator.num_free_blocks - reserve:
             return None
-        seq.num_computed_tokens = table.reuse_cached_prefix(tokens, len(tokens) - 1)
-        seq.num_cached_tokens = seq.num_computed_tokens
+        if external:
+            # KV that arrived with the sequence (disaggregated prefill): hold it, compute none.
+            table.append_tokens(tokens[:external], computed=True)
+            seq.num_computed_tokens, seq.num_cached_tokens, seq.num_external_tokens = external, 0, 0
+        else:
+            seq.num_computed_tokens = table.reuse_cached_prefix(tokens, len(tokens) - 1)
+            seq.num_cached_tokens = seq.num_computed_tokens
         seq.block_table = table
         return num_new, self._grow(seq, num_new)
 

@@ -1,0 +1,294 @@
+"""Graders for the disaggregation chapter (prefill/decode interference, chunked prefill,
+disaggregated pools).
+
+Every expected value is computed here from labkit's roofline cost model
+(``labkit.sim.roofline``) for Llama-3-8B on one H100-SXM, the chapter's running example:
+change the model's efficiencies and the graders follow.
+
+    from labkit.exercises.disagg import check_ridge_point
+    check_ridge_point(tokens=...)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from ..sim.roofline import RooflineCostModel, batch_shape, roofline
+from ._grading import check_close, fail, passed, read_count, read_number
+
+MODEL, HARDWARE_NAME = "llama-3-8b", "h100-sxm"
+
+
+@functools.lru_cache(maxsize=None)
+def cost_model() -> RooflineCostModel:
+    """The chapter's cost model: Llama-3-8B, bf16, one H100-SXM."""
+    return roofline(MODEL, HARDWARE_NAME)
+
+
+# ---- exercise 1: the ridge point -------------------------------------------------------
+def ridge_expected() -> float:
+    return cost_model().ridge_tokens()
+
+
+def check_ridge_point(tokens: object) -> None:
+    """Exercise 1: how many tokens must one iteration carry before Llama-3-8B's linear layers
+    on an H100 become compute-bound (multiplying the weights takes as long as reading them),
+    with the *achieved* FLOP/s and bandwidth of ``cost_model().hardware``?"""
+    cm = cost_model()
+    hw = cm.hardware
+    expected = ridge_expected()
+    b = cm.model.dtype_bytes
+    x = read_number("tokens", tokens)
+    peak = hw.peak_flops * b / (2 * hw.peak_bandwidth)
+    check_close(
+        "tokens", x, expected, rel=0.03,
+        mistakes=[
+            (peak, "That uses the datasheet peaks. Real kernels reach only part of them: use the "
+                   "achieved figures, cost_model().flops and cost_model().bandwidth (peak x efficiency)."),
+            (expected / b, f"Each bf16 weight is {b} bytes: reading P weights moves {b}·P bytes, not P."),
+            (expected * 2, "A weight costs 2 FLOPs per token (one multiply, one add): compute time "
+                           "is 2·P·T / F."),
+            (expected * 2 / b, "Compare FLOPs with FLOPs and bytes with bytes: 2·P·T / F = P·bytes / B."),
+        ],
+        hint="Set the linear layers' compute time 2·P·T / F equal to their weight-reading time "
+             "P·bytes / B and solve for T (P cancels).",
+    )
+    passed(f"Exercise 1: T = F·bytes / (2·B) = {cm.flops / 1e12:.0f} TFLOP/s × {b} B / (2 × "
+           f"{cm.bandwidth / 1e12:.2f} TB/s) ≈ {expected:.0f} tokens. A decode batch of 32 is far "
+           "below it (memory-bound: the weights are read for 32 tokens' worth of math); a "
+           "1,000-token prompt is far above it (compute-bound).")
+
+
+# ---- exercise 2: when a prefill doubles a decode iteration -------------------------------
+EX2_BATCH, EX2_CONTEXT = 32, 1024
+
+
+def decode_alone_time() -> float:
+    return cost_model().decode_time(EX2_BATCH, EX2_CONTEXT)
+
+
+def mixed_time(prefill_tokens: int) -> float:
+    """One iteration: the decode batch plus a fresh prompt of ``prefill_tokens`` tokens."""
+    chunks = [(prefill_tokens, 0)] if prefill_tokens > 0 else []
+    return cost_model().iteration_time(batch_shape(decode=[EX2_CONTEXT] * EX2_BATCH, prefill=chunks))
+
+
+@functools.lru_cache(maxsize=None)
+def doubling_expected() -> int:
+    """Smallest prompt that, batched with the decodes, makes the iteration twice as long."""
+    target = 2 * decode_alone_time()
+    lo, hi = 0, 1
+    while mixed_time(hi) < target:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:                      # mixed_time grows with the prompt
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if mixed_time(mid) < target else (lo, mid)
+    return hi
+
+
+def check_prefill_doubling(prefill_tokens: object) -> None:
+    """Exercise 2: 32 sequences decode at context 1,024 (Llama-3-8B, H100). What is the
+    smallest prompt (in tokens, prefilled whole in the same iteration) that makes the
+    iteration, hence every one of those 32 users' next token, take twice as long?"""
+    expected = doubling_expected()
+    t0 = decode_alone_time()
+    n = read_count("prefill_tokens", prefill_tokens)
+    if n < expected:
+        fail(f"prefill_tokens: with {n:,} prompt tokens the iteration takes {mixed_time(n) * 1e3:.2f} ms, "
+             f"only {mixed_time(n) / t0:.2f}× the {t0 * 1e3:.2f} ms decode iteration."
+             + _doubling_hint(n))
+    if n > expected * 1.03 + 1:
+        check_close("prefill_tokens", n, expected, rel=0.03, mistakes=_doubling_mistakes(),
+                    hint="A smaller prompt already doubles it: look for the smallest one.")
+    passed(f"Exercise 2: a {expected:,}-token prompt turns a {t0 * 1e3:.1f} ms decode iteration into "
+           f"{mixed_time(expected) * 1e3:.1f} ms. Below ~{cost_model().ridge_tokens() - EX2_BATCH:.0f} tokens "
+           "a prompt rides along almost free (the weights are read anyway); above, every prompt "
+           "token adds compute time that all 32 decoding users wait for: interference.")
+
+
+def _doubling_mistakes() -> list[tuple[float, str]]:
+    cm = cost_model()
+    t0 = decode_alone_time()
+    alone_2x = next(n for n in range(1, 1 << 16) if cm.prefill_time(n) >= 2 * t0)
+    return [(alone_2x, "That prompt *alone* takes 2× a decode iteration; batched with the decodes it "
+                       "shares one reading of the weights, so the batch doubles earlier.")]
+
+
+def _doubling_hint(n: int) -> str:
+    ridge = cost_model().ridge_tokens()
+    if n + EX2_BATCH <= ridge * 1.05:
+        return (f" Up to the ridge point (~{ridge:.0f} tokens in the batch) the linear layers are "
+                "memory-bound and extra tokens cost almost nothing: the doubling point lies well beyond.")
+    return " Search upward: time a batch of the 32 decodes plus an n-token prompt (batch_shape) for growing n."
+
+
+# ---- exercise 3: a chunk budget that keeps every token on time ----------------------------
+EX3_BATCH, EX3_CONTEXT, EX3_PROMPT, EX3_ITL_SLO = 32, 1024, 4096, 0.020
+
+
+def worst_chunked_iteration(budget: int) -> float:
+    """Longest iteration while a 4,096-token prompt is chunk-prefilled beside 32 decodes
+    (context 1,024, held fixed) with ``budget`` tokens per iteration: decodes go first, the
+    prompt fills the rest (Sarathi-Serve's stall-free batches). Later chunks attend to more
+    keys, so the slowest is the last full chunk or the last, shorter one."""
+    chunk = budget - EX3_BATCH
+    if chunk < 1:
+        raise ValueError(f"a budget of {budget} tokens leaves no room for the prompt beside {EX3_BATCH} decodes")
+    full, rest = divmod(EX3_PROMPT, chunk)
+    candidates = [(chunk, (full - 1) * chunk)] if full else []
+    if rest:
+        candidates.append((rest, full * chunk))
+    cm = cost_model()
+    return max(cm.iteration_time(batch_shape(decode=[EX3_CONTEXT] * EX3_BATCH, prefill=[c]))
+               for c in candidates)
+
+
+def worst_chunked_iteration_brute(budget: int) -> float:
+    """The same, timing every chunk (what a student's loop does)."""
+    chunk = budget - EX3_BATCH
+    cm = cost_model()
+    return max(cm.iteration_time(batch_shape(decode=[EX3_CONTEXT] * EX3_BATCH,
+                                             prefill=[(min(chunk, EX3_PROMPT - start), start)]))
+               for start in range(0, EX3_PROMPT, chunk))
+
+
+@functools.lru_cache(maxsize=None)
+def chunk_budget_expected() -> int:
+    """Largest budget whose slowest iteration meets the ITL SLO (every budget is tried)."""
+    ok = [b for b in range(EX3_BATCH + 1, EX3_BATCH + EX3_PROMPT + 1)
+          if worst_chunked_iteration(b) <= EX3_ITL_SLO]
+    if not ok:
+        raise ValueError("not even one prompt token per iteration meets the SLO")
+    return max(ok)
+
+
+def check_chunk_budget(budget: object) -> None:
+    """Exercise 3: the largest ``max_num_batched_tokens`` (decodes + prompt chunk per
+    iteration) that keeps every iteration within a 20 ms ITL SLO while a 4,096-token prompt
+    is chunk-prefilled beside 32 decodes at context 1,024. Answers within 3 % below the
+    exact maximum are fine (a scan in steps of 8 or 16 finds them)."""
+    expected = chunk_budget_expected()
+    b = read_count("budget", budget)
+    if b <= EX3_BATCH:
+        fail(f"budget: {b} tokens leave no room beside the {EX3_BATCH} decodes (which go first); "
+             "the prompt would never advance.")
+    worst = worst_chunked_iteration(b)
+    if worst > EX3_ITL_SLO:
+        late = "last" if EX3_PROMPT % (b - EX3_BATCH) == 0 else "last full"
+        fail(f"budget: with {b:,} tokens per iteration the slowest iteration takes {worst * 1e3:.2f} ms, over "
+             f"the {EX3_ITL_SLO * 1e3:.0f} ms SLO. Mind that later chunks attend to all the earlier "
+             f"ones: the {late} chunk is the slowest, not the first.")
+    if b < expected * 0.97:
+        fail(f"budget: {b:,} tokens meet the SLO (worst {worst * 1e3:.2f} ms), but a clearly larger budget "
+             "does too; a smaller budget means more iterations, each paying for the weights and the "
+             "overhead again. Find the largest one.")
+    chunk = expected - EX3_BATCH
+    passed(f"Exercise 3: a budget of ~{expected:,} tokens ({chunk:,}-token chunks, "
+           f"{math.ceil(EX3_PROMPT / chunk)} iterations for the prompt) keeps every iteration ≤ "
+           f"{EX3_ITL_SLO * 1e3:.0f} ms; unchunked, this prompt's iteration would take "
+           f"{mixed_time_for(EX3_PROMPT) * 1e3:.0f} ms. The cost: the prompt's TTFT grows by the extra "
+           "iterations, and each chunk re-reads the weights.")
+
+
+def mixed_time_for(prompt: int) -> float:
+    return cost_model().iteration_time(batch_shape(decode=[EX3_CONTEXT] * EX3_BATCH, prefill=[(prompt, 0)]))
+
+
+# ---- exercise 4: how many prefill and decode instances --------------------------------------
+@dataclass(frozen=True)
+class PlanProblem:
+    """A DistServe-style provisioning question, with its numbers."""
+
+    rate: float = 30.0           # requests/s, Poisson
+    prompt_len: int = 2048
+    output_len: int = 256
+    ttft_slo_s: float = 0.100    # on the *mean* TTFT (M/D/1 queue)
+    tpot_slo_s: float = 0.025
+    block_size: int = 16
+
+
+PROBLEM = PlanProblem()
+
+
+@dataclass(frozen=True)
+class Plan:
+    prefill_time_s: float        # one prompt, alone on an instance
+    num_prefill: int
+    decode_batch: int            # largest batch meeting the TPOT SLO that fits in the KV cache
+    decode_batch_memory: int     # largest batch the KV cache alone allows
+    decode_tok_per_s: float      # one decode instance at that batch
+    num_decode: int
+
+
+def md1_ttft(rate: float, service_s: float) -> float:
+    """Mean time in an M/D/1 queue (Poisson arrivals, fixed service time): the service time
+    plus the mean wait ``rate·D² / (2(1 - rate·D))``; infinite when the server is saturated."""
+    rho = rate * service_s
+    return math.inf if rho >= 1 else service_s + rate * service_s ** 2 / (2 * (1 - rho))
+
+
+@functools.lru_cache(maxsize=None)
+def plan_expected(problem: PlanProblem = PROBLEM) -> Plan:
+    cm = cost_model()
+    d = cm.prefill_time(problem.prompt_len)
+    n_p = 1
+    while md1_ttft(problem.rate / n_p, d) > problem.ttft_slo_s:
+        n_p += 1
+    context = problem.prompt_len + problem.output_len          # the worst case: the last token
+    by_memory = cm.kv_cache_blocks(problem.block_size) * problem.block_size // context
+    batch = 0
+    while batch < by_memory and cm.decode_time(batch + 1, context) <= problem.tpot_slo_s:
+        batch += 1
+    if batch == 0:
+        raise ValueError("not even one sequence meets the TPOT SLO")
+    tok_per_s = batch / cm.decode_time(batch, context)
+    n_d = math.ceil(problem.rate * (problem.output_len - 1) / tok_per_s)
+    return Plan(d, n_p, batch, by_memory, tok_per_s, n_d)
+
+
+def check_instance_plan(num_prefill: object, num_decode: object) -> None:
+    """Exercise 4: Poisson arrivals at 30 requests/s, every prompt 2,048 tokens and every
+    output 256 tokens, Llama-3-8B on H100s; SLOs: mean TTFT ≤ 100 ms, TPOT ≤ 25 ms. How many
+    prefill and how many decode instances (one GPU each)?"""
+    p = PROBLEM
+    plan = plan_expected(p)
+    n_p = read_count("num_prefill", num_prefill)
+    n_d = read_count("num_decode", num_decode)
+    naive_p = math.ceil(p.rate * plan.prefill_time_s)
+    if n_p != plan.num_prefill:
+        if n_p == naive_p and naive_p < plan.num_prefill:
+            fail(f"num_prefill: {n_p} instances can keep up on average (utilization "
+                 f"{p.rate * plan.prefill_time_s / n_p:.0%}), but Poisson arrivals queue: the M/D/1 "
+                 f"mean TTFT is then {md1_ttft(p.rate / n_p, plan.prefill_time_s) * 1e3:.0f} ms. Add the "
+                 "queueing delay rate·D²/(2(1-rate·D)) per instance (rate split evenly).")
+        if n_p < plan.num_prefill:
+            rho = p.rate / n_p * plan.prefill_time_s
+            if rho >= 1:
+                fail(f"num_prefill: with {n_p} instance(s) each gets {p.rate / n_p:.1f} requests/s of "
+                     f"{plan.prefill_time_s * 1e3:.0f} ms of work each: {rho:.0%} utilization, the queue "
+                     "grows without bound.")
+            fail(f"num_prefill: with {n_p} instance(s) each gets {p.rate / n_p:.1f} requests/s and the mean "
+                 f"TTFT is {md1_ttft(p.rate / n_p, plan.prefill_time_s) * 1e3:.0f} ms (M/D/1 with D = one "
+                 "prompt's prefill time alone).")
+        fail(f"num_prefill: {n_p} instances meet the TTFT SLO, but fewer do too (find the smallest "
+             "number whose M/D/1 mean TTFT is within the SLO).")
+    if n_d != plan.num_decode:
+        direction = "more" if n_d < plan.num_decode else "fewer"
+        fail(f"num_decode: {n_d} is not right ({direction} are needed). A decode instance runs the "
+             "largest batch whose iteration (every sequence at its longest context, prompt + output) "
+             "stays within the TPOT SLO and whose KV fits in memory; it then produces batch / "
+             "iteration time tokens/s. The pool must produce rate × (output − 1) tokens/s (the first "
+             "token comes from the prefill instance).")
+    passed(f"Exercise 4: prefill takes {plan.prefill_time_s * 1e3:.0f} ms per prompt → {plan.num_prefill} "
+           f"prefill instances (M/D/1 mean TTFT {md1_ttft(p.rate / plan.num_prefill, plan.prefill_time_s) * 1e3:.0f} ms; "
+           f"{naive_p} would be {md1_ttft(p.rate / naive_p, plan.prefill_time_s) * 1e3:.0f} ms); decode batch "
+           f"{plan.decode_batch} (TPOT-bound; memory allows {plan.decode_batch_memory}) gives "
+           f"{plan.decode_tok_per_s:,.0f} tokens/s per instance → {plan.num_decode} decode instances. "
+           f"{plan.num_prefill}P + {plan.num_decode}D: simulate it to see the tail.")
+
+
+__all__ = ["cost_model", "check_ridge_point", "check_prefill_doubling", "check_chunk_budget",
+           "check_instance_plan", "PlanProblem", "PROBLEM", "Plan", "plan_expected", "md1_ttft",
+           "worst_chunked_iteration", "worst_chunked_iteration_brute", "mixed_time", "decode_alone_time"]

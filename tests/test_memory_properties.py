@@ -1,0 +1,282 @@
+"""Property tests of the memory layer: random interleavings against a shadow model.
+
+A hypothesis state machine drives one ``BlockAllocator`` (tight: a handful of blocks, so
+eviction and ``NoFreeBlocksError`` happen often) through random appends, forks,
+copy-on-writes, frees, prefix-cache reuses and cache resets, and after every step checks
+what the chapter promises:
+
+* ``allocator.check_invariants()``: every block is free, cached-free or referenced;
+* each block's reference count equals the number of live tables holding it;
+* a table only ever writes into a block it holds alone (else a copy-on-write happens first);
+* each table holds exactly the tokens appended to it (shadow model);
+* the KV it reads back is its own: the simulated KV memory stores, for each slot, the
+  whole prefix the token was computed with (a token's K/V depends on every token before
+  it), so sharing a block computed under another prefix would be caught;
+* every prefix-cache entry's block holds the KV it claims, and a reuse takes exactly the
+  blocks the cache maps the prompt's chained hashes to;
+* after everything is freed, every block is back (free or cached-free).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant,
+                                 multiple, precondition, rule, run_state_machine_as_test)
+
+from labkit.memory import ROOT_HASH, BlockAllocator, BlockTable, NoFreeBlocksError, hash_block
+
+# Prompts share prefixes, so the prefix cache hits (and misses) often.
+SYSTEM = [7, 7, 1, 2, 3, 4, 5, 6, 8]
+PROMPTS = [SYSTEM, SYSTEM + [9], SYSTEM + [1, 1, 1, 1, 2], SYSTEM[:5], [3, 1, 4, 1, 5, 9, 2, 6],
+           [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [1] * 12]
+TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=5)
+
+SETTINGS = settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def snapshot(allocator: BlockAllocator) -> dict:
+    """The allocator's whole state (its containers copied one level: their items are
+    ints and immutable cache entries)."""
+    return {k: v.copy() if hasattr(v, "copy") else v for k, v in vars(allocator).items()}
+
+
+class Live:
+    """A live table and its shadow: what was appended, and how much of it has KV written."""
+
+    def __init__(self, table: BlockTable, tokens: list[int], computed: int, reserved: bool = False):
+        self.table, self.tokens, self.computed, self.reserved = table, tokens, computed, reserved
+
+
+class MemoryMachine(RuleBasedStateMachine):
+    CACHING: bool | None = None     # None: drawn per example
+    tables = Bundle("tables")
+
+    def __init__(self):
+        super().__init__()
+        self.live: list[Live] = []
+        self.kv: dict[int, tuple[int, ...]] = {}   # slot -> the prefix its token was computed with
+
+    @initialize(num_blocks=st.integers(3, 24), block_size=st.sampled_from([1, 2, 3, 4]),
+                caching=st.booleans())
+    def setup(self, num_blocks, block_size, caching):
+        caching = caching if self.CACHING is None else self.CACHING
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=caching)
+        self.bs = block_size
+
+    # ---- the simulated executor -----------------------------------------------------
+    def write_kv(self, live: Live, upto: int) -> None:
+        """Compute K/V for tokens [computed, upto) and write them into their slots, as the
+        model would: only into blocks this table holds alone."""
+        t = live.table
+        for p in range(live.computed, upto):
+            block = t.block_ids[p // self.bs]
+            assert self.allocator.ref_count(block) == 1, (
+                f"position {p} would be written into block {block}, shared by "
+                f"{self.allocator.ref_count(block)} tables")
+            self.kv[t.slot(p)] = tuple(live.tokens[:p + 1])
+        live.computed = max(live.computed, upto)
+        t.cache_computed_blocks(live.computed)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for i in range(self.bs):
+            if src * self.bs + i in self.kv:
+                self.kv[dst * self.bs + i] = self.kv[src * self.bs + i]
+            else:
+                self.kv.pop(dst * self.bs + i, None)
+
+    def expected_hits(self, prompt: list[int], limit: int) -> list[int]:
+        """The blocks the cache maps the prompt's chained hashes to, asked block by block."""
+        if not self.allocator.enable_prefix_caching:
+            return []
+        hits, parent = [], ROOT_HASH
+        for start in range(0, limit - self.bs + 1, self.bs):
+            chunk = tuple(prompt[start:start + self.bs])
+            h = hash_block(parent, chunk)
+            block = self.allocator.peek(h, parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    # ---- rules ----------------------------------------------------------------------
+    @rule(target=tables, prompt=st.sampled_from(PROMPTS), extra=st.lists(st.integers(0, 3), max_size=3),
+          reuse=st.booleans(), computed=st.booleans())
+    def new_table(self, prompt, extra, reuse, computed):
+        prompt = prompt + extra
+        table = BlockTable(self.allocator)
+        live = Live(table, [], 0)
+        if reuse:
+            expected = self.expected_hits(prompt, len(prompt) - 1)
+            n = table.reuse_cached_prefix(prompt, max_tokens=len(prompt) - 1)
+            assert n == len(expected) * self.bs and table.block_ids == expected
+            assert n <= len(prompt) - 1 and table.num_cached_tokens == n
+            live.tokens, live.computed = list(prompt[:n]), n
+            # The reused KV was computed with exactly this prefix.
+            for p in range(n):
+                assert self.kv[table.slot(p)] == tuple(prompt[:p + 1])
+        self.live.append(live)
+        if not self._append(live, prompt[len(live.tokens):], computed):
+            self.preempt()      # not enough memory to admit it: roll back
+        return live
+
+    @rule(target=tables, prompt=st.sampled_from(PROMPTS), room=st.integers(0, 6))
+    def new_reserved_table(self, prompt, room):
+        """The static baseline: reserve prompt + room tokens up front, then fill."""
+        table = BlockTable(self.allocator)
+        before = snapshot(self.allocator)
+        try:
+            table.reserve(len(prompt) + room)
+        except NoFreeBlocksError:
+            assert snapshot(self.allocator) == before and table.block_ids == []
+            table.free()
+            return multiple()
+        assert table.num_blocks == -(-(len(prompt) + room) // self.bs)
+        live = Live(table, [], 0, reserved=True)
+        self.live.append(live)
+        assert self._append(live, prompt, True), "the reservation must hold the prompt"
+        return live
+
+    @rule(live=tables, tokens=TOKENS, computed=st.booleans())
+    def append(self, live, tokens, computed):
+        if live.table.freed:
+            return
+        if not self._append(live, tokens, computed):
+            self.preempt()
+
+    def preempt(self) -> None:
+        """Out of blocks: free the newest sequence, as a scheduler preempts (recompute)."""
+        victim = self.live.pop()
+        victim.table.free()
+
+    def _append(self, live: Live, tokens: list[int], computed: bool) -> bool:
+        t, alloc = live.table, self.allocator
+        n = len(live.tokens)
+        next_block = t.block_ids[n // self.bs] if n % self.bs else None
+        must_copy = next_block is not None and alloc.ref_count(next_block) > 1
+        before, table_before = snapshot(alloc), (list(t.block_ids), list(t.token_ids))
+        try:
+            copies = t.append_tokens(tokens, computed=computed)
+        except NoFreeBlocksError:
+            # Nothing changed, and the refusal was right.
+            assert snapshot(alloc) == before
+            assert (list(t.block_ids), list(t.token_ids)) == table_before
+            assert t.blocks_needed(len(tokens)) > alloc.num_free_blocks
+            return False
+        assert t.blocks_needed(0) == 0
+        if must_copy:
+            assert copies == [(next_block, t.block_ids[n // self.bs])]
+            assert alloc.ref_count(copies[0][1]) == 1
+        else:
+            assert copies == []
+        for src, dst in copies:
+            self.copy_block(src, dst)
+        live.tokens += tokens
+        if computed:
+            self.write_kv(live, len(live.tokens))
+        return True
+
+    @rule(live=tables, upto=st.integers(0, 40))
+    def compute(self, live, upto):
+        """The model catches up with appended tokens (chunked: maybe only part of them)."""
+        if not live.table.freed:
+            self.write_kv(live, min(len(live.tokens), max(live.computed, upto)))
+
+    @rule(target=tables, live=tables)
+    def fork(self, live):
+        if live.table.freed or live.computed < len(live.tokens):
+            return live    # the engine forks right after a step: all KV written
+        t = live.table
+        if t.num_blocks > -(-len(live.tokens) // self.bs):
+            before = snapshot(self.allocator)
+            with pytest.raises(ValueError, match="reserved"):
+                t.fork()   # empty reserved blocks cannot be shared safely
+            assert snapshot(self.allocator) == before
+            return live
+        child = Live(t.fork(), list(live.tokens), live.computed, live.reserved)
+        self.live.append(child)
+        return child
+
+    @rule(target=tables, live=tables, tokens=st.lists(st.integers(0, 3), min_size=1, max_size=2))
+    def fork_and_diverge(self, live, tokens):
+        """Parallel sampling: fork, then parent and child each write their own next token."""
+        child = self.fork(live)
+        if child is not live:
+            if not (self._append(child, tokens, True) and self._append(live, tokens[::-1] + [0], True)):
+                self.preempt()
+        return child
+
+    @rule(live=consumes(tables))
+    def free(self, live):
+        if not live.table.freed:
+            live.table.free()
+            self.live.remove(live)
+
+    @precondition(lambda self: hasattr(self, "allocator"))
+    @rule()
+    def reset_prefix_cache(self):
+        cached_free = self.allocator.num_cached_free_blocks
+        assert self.allocator.reset_prefix_cache() == cached_free
+        assert self.allocator.num_cached_free_blocks == 0
+
+    # ---- invariants -----------------------------------------------------------------
+    @invariant()
+    def memory_is_consistent(self):
+        if not hasattr(self, "allocator"):
+            return
+        alloc, bs = self.allocator, self.bs
+        alloc.check_invariants()
+        holders = [0] * alloc.num_blocks
+        for live in self.live:
+            t = live.table
+            assert not t.freed
+            assert len(set(t.block_ids)) == len(t.block_ids), "a table holds a block twice"
+            for b in t.block_ids:
+                holders[b] += 1
+            assert t.token_ids == live.tokens
+            if live.reserved:
+                assert t.num_blocks >= -(-len(live.tokens) // bs)
+            else:
+                assert t.num_blocks == -(-len(live.tokens) // bs)
+            for p in range(live.computed):
+                assert self.kv.get(t.slot(p)) == tuple(live.tokens[:p + 1]), (
+                    f"table reads someone else's KV at position {p}")
+        for b in range(alloc.num_blocks):
+            assert alloc.ref_count(b) == holders[b], f"block {b}: {alloc.ref_count(b)} refs, {holders[b]} holders"
+            assert (alloc.state(b) == "used") == (holders[b] > 0)
+            entry = alloc.cache_entry(b)
+            if entry is not None:   # a cached block holds the KV it is cached for
+                assert len(entry.token_ids) == bs
+                assert entry.block_hash == hash_block(entry.parent_hash, entry.token_ids)
+                for i, token in enumerate(entry.token_ids):
+                    assert self.kv[b * bs + i][-1] == token
+        assert alloc.num_free_blocks + alloc.num_used_blocks == alloc.num_blocks
+
+    def teardown(self):
+        if not hasattr(self, "allocator"):
+            return
+        for live in self.live:
+            live.table.free()
+        self.live.clear()
+        alloc = self.allocator
+        alloc.check_invariants()
+        assert alloc.num_free_blocks == alloc.num_blocks and alloc.num_used_blocks == 0
+        assert all(alloc.state(b) in ("free", "cached-free") for b in range(alloc.num_blocks))
+        assert alloc.num_cached_free_blocks == alloc.num_cached_blocks
+
+
+class PrefixCachingMachine(MemoryMachine):
+    """Prefix caching always on: reuse, LRU revival and eviction in every example."""
+
+    CACHING = True
+
+
+def test_memory_layer_under_random_interleavings():
+    run_state_machine_as_test(MemoryMachine, settings=SETTINGS)
+
+
+def test_prefix_cache_under_random_interleavings():
+    run_state_machine_as_test(PrefixCachingMachine, settings=SETTINGS)

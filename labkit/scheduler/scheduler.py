@@ -312,16 +312,33 @@ class Scheduler:
         """Parallel sampling: ``count`` children share the parent's blocks (copy-on-write)."""
         children = []
         at = self.running.index(parent) + 1
-        for index in range(1, count + 1):
-            child = Sequence(parent.request, list(parent.token_ids), index=index)
+        for _ in range(count):
+            child = Sequence(parent.request, list(parent.token_ids), index=len(parent.request.seqs))
             child.block_table = parent.block_table.fork()
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = Status.RUNNING
+            parent.request.seqs.append(child)
             children.append(child)
         self.running[at:at] = children
-        parent.request.seqs.extend(children)
         return children
+
+    def fork(self, parent: Sequence) -> Sequence:
+        """Fork a decoding sequence now (what beam search and on-demand sampling do): the
+        child shares every block with its parent and runs from the next iteration on.
+        Raises ``ValueError`` (changing nothing) for a sequence that is not decoding, or
+        when the batch is full."""
+        if parent.status is not Status.RUNNING or parent not in self.running:
+            raise ValueError(f"{parent} is not running")
+        if parent.num_output_tokens == 0 or parent.num_uncomputed_tokens != 1:
+            raise ValueError(f"{parent} is still prefilling its prompt: fork it once it decodes")
+        if len(self.running) >= self.max_num_seqs:
+            raise ValueError(f"the batch is full (max_num_seqs={self.max_num_seqs})")
+        return self._fork(parent, 1)[0]
+
+    def sequences_holding_blocks(self) -> list[Sequence]:
+        """Every sequence that holds KV blocks now, in admission order (the widgets draw them)."""
+        return list(self.running)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.request.params

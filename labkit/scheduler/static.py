@@ -52,6 +52,15 @@ class StaticScheduler(Scheduler):
     def _tokens_to_hold(self, request: Request, longest: int) -> int:
         return self.max_model_len if self.reserve == "model" else longest
 
+    def fork(self, parent: Sequence) -> Sequence:
+        raise ValueError("forking needs the continuous scheduler: the static baseline reserves "
+                         "blocks ahead of the tokens, and a shared reserved block would be "
+                         "written without a copy")
+
+    def sequences_holding_blocks(self) -> list[Sequence]:
+        # Finished members of the batch keep their reservation until the batch ends.
+        return self.running + self._held
+
     def _batch_may_grow(self) -> bool:
         return not self.running and not self._held
 

@@ -57,8 +57,10 @@ def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_siz
              enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
              max_model_len: int | None = 2048, reserve: str = "model", watermark: float = 0.01,
              cost_model=None, vocab_size: int = 32000, keep_records: bool = True,
-             progress: bool = False) -> SimResult:
-    """Serve ``trace`` under ``policy``; every output runs to its trace length (no EOS)."""
+             progress: bool = False, on_step=None) -> SimResult:
+    """Serve ``trace`` under ``policy``; every output runs to its trace length (no EOS).
+    ``on_step(engine)``, if given, is called before the first iteration and after each one
+    (the replay widget records snapshots with it)."""
     allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
     options = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     if policy == "static":
@@ -73,6 +75,8 @@ def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_siz
     requests: list[Request] = []
     bar = _progress(len(trace), progress, f"sim {policy}")
     nxt = 0
+    if on_step is not None:
+        on_step(engine)
     while nxt < len(order) or engine.has_unfinished:
         if not engine.has_unfinished and nxt < len(order):
             engine.advance_to(trace[order[nxt]].arrival_s)       # idle until the next arrival
@@ -84,6 +88,8 @@ def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_siz
                                                request_id=f"r{i}", arrival_time=r.arrival_s))
             nxt += 1
         done = engine.step()
+        if on_step is not None:
+            on_step(engine)
         if bar is not None and done:
             bar.update(len(done))
     if bar is not None:

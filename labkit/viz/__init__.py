@@ -1,0 +1,54 @@
+"""Layer 3: widgets and figures that show the engine at work, read from the real engine.
+
+* the **block view** (``block_figure``): the physical KV block pool and one sequence's
+  block table, drawn from ``snapshot(engine)`` or ``allocator_snapshot(allocator, tables)``;
+* ``LiveEngineWidget``: step / play / add / fork / abort on a live engine, block view redrawn;
+* replays: ``Recording`` (one snapshot per iteration), ``record_trace``, ``record_engine``,
+  ``ReplayWidget`` (slider in the kernel), ``replay_figure`` / ``export_html`` (kernel-free
+  plotly animation for slides);
+* the **scheduler timeline** (``timeline_figure``, ``compare_schedulers``): Gantt chart of
+  requests over iterations with KV usage beneath, static vs continuous batching;
+* the **waste chart** (``waste_figure``, ``compare_waste``, ``live_waste``): the vLLM paper's
+  Figure 2 categories, from ``labkit.memory.waste``.
+
+Importing ``labkit.viz`` is light: plotly and ipywidgets load when a figure or widget is
+first built (``pip install 'labkit[lab]'`` provides them). Figure functions return plain
+``go.Figure``s (call ``.show()``); their ``*_data`` / ``*_dict`` twins return plain data.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> module that defines it; loaded on first access (PEP 562) to keep the import light.
+_EXPORTS = {
+    "seq_label": "pool", "request_of": "pool", "live_sequences": "pool", "live_tables": "pool",
+    "pool_view": "pool", "table_view": "pool", "status_view": "pool", "snapshot": "pool",
+    "allocator_snapshot": "pool", "status_line": "pool",
+    "block_figure": "blocks", "block_figure_dict": "blocks",
+    "ColorMap": "colors",
+    "fork_sequence": "fork",
+    "Recording": "replay", "record_engine": "replay", "record_trace": "replay",
+    "replay_figure": "replay", "export_html": "replay",
+    "ReplayWidget": "replay_widget",
+    "LiveEngineWidget": "live", "make_sim_engine": "live",
+    "timeline_data": "timeline", "timeline_figure": "timeline", "compare_schedulers": "timeline",
+    "simulate_policies": "timeline",
+    "waste_data": "waste_chart", "waste_figure": "waste_chart", "compare_waste": "waste_chart",
+    "fragmented_layout": "waste_chart", "live_waste": "waste_chart",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'labkit.viz' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

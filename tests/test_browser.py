@@ -1,0 +1,188 @@
+"""The widgets in a real browser: JupyterLab 4 served headless, driven by Chromium.
+
+Opens a copy of ``tests/browser/widgets_demo.ipynb``, runs every cell, checks that plotly
+drew its SVG, clicks the live widget's buttons and checks that the block view changes,
+then opens the exported kernel-free replay and plays it. Screenshots go to
+``test-artifacts/`` (git-ignored) for a human to look at.
+
+Needs Debian's Chromium (``apt-get install chromium``; ``make browser``) and Playwright for
+Python; skipped, with the reason, without them.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+HERE = Path(__file__).parent
+ARTIFACTS = HERE.parent / "test-artifacts"
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+STEP_TIMEOUT_MS = 30_000
+
+sys.path.insert(0, str(HERE / "browser"))
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on a copy of the demo notebook; stopped (process group) after."""
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium: apt-get install chromium (or `make browser`)")
+    pytest.importorskip("playwright.sync_api", reason="playwright for Python is not installed")
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    from lab_server import running_jupyterlab
+    shutil.copy(HERE / "browser" / "widgets_demo.ipynb", tmp_path / "widgets_demo.ipynb")
+    with running_jupyterlab(tmp_path) as url:
+        yield url, tmp_path
+
+
+@pytest.fixture
+def page():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
+                                    timeout=STEP_TIMEOUT_MS)
+        try:
+            pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+            pg.set_default_timeout(STEP_TIMEOUT_MS)
+            yield pg
+        finally:
+            browser.close()
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll ``predicate`` until it returns something truthy; fail saying ``what`` never happened."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def live_status(pg) -> str:
+    """The live widget's status line ("step N · running ...")."""
+    texts = pg.locator(".widget-html-content code").all_inner_texts()
+    return next((t for t in texts if t.startswith("step ")), "")
+
+
+def live_plot_state(pg) -> dict:
+    """What the live block view's plot shows now: title, cell texts, the blocks' shapes."""
+    return pg.evaluate("""() => {
+        const g = document.querySelector('.jupyter-widgets .js-plotly-plot')
+               || document.querySelector('.js-plotly-plot');
+        const svg = g.querySelector('.main-svg');
+        return {title: (g.querySelector('.gtitle') || {}).textContent || '',
+                cells: Array.from(g.querySelectorAll('.textpoint')).map(t => t.textContent),
+                shapes: g.querySelectorAll('.shapelayer path').length,
+                geometry: Array.from(g.querySelectorAll('.shapelayer path'))
+                               .map(p => p.getAttribute('d') + p.style.fill).join('|'),
+                svg: svg ? svg.outerHTML.length : 0};
+    }""")
+
+
+def test_widgets_in_jupyterlab(lab, page):
+    url, root = lab
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg = page
+    t0 = time.monotonic()
+    pg.goto(f"{url}/lab/tree/widgets_demo.ipynb?reset")
+    pg.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
+    wait_for(lambda: "Idle" in (pg.locator(".jp-StatusBar-TextItem").all_inner_texts() and
+                                " ".join(pg.locator(".jp-StatusBar-TextItem").all_inner_texts())),
+             45, "the kernel to start (status bar 'Idle')")
+    pg.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+    def all_cells_ran():
+        prompts = pg.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+        return prompts and all(re.search(r"\[\d+\]", p) for p in prompts)
+    wait_for(all_cells_ran, 60, "every cell to run")
+    errors = pg.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    tracebacks = [t for t in errors.all_inner_texts() if "Error" in t]
+    assert not tracebacks, tracebacks
+
+    # The live widget: buttons, plotly's SVG, the status line.
+    pg.wait_for_selector(".jupyter-widgets.widget-button")
+    pg.wait_for_selector(".js-plotly-plot .main-svg")
+    wait_for(lambda: live_status(pg).startswith("step 2 "), 20, "the live widget's status line")
+    before = live_plot_state(pg)
+    assert before["svg"] > 0 and before["shapes"] >= 32, before
+    # Every plot rendered: the live view, the timeline, the waste chart.
+    wait_for(lambda: pg.locator(".js-plotly-plot .main-svg").count() >= 3, 20, "three plotly figures")
+    live_output = pg.locator(".jp-Cell").nth(1).locator(".jp-OutputArea")
+    live_output.screenshot(path=str(ARTIFACTS / "live_widget_before.png"))
+
+    # Step: the drawing changes with the engine.
+    pg.get_by_role("button", name="Step", exact=True).first.click()
+    wait_for(lambda: live_status(pg).startswith("step 3 "), 20, "the status line to say step 3")
+    after = wait_for(lambda: (s := live_plot_state(pg))["geometry"] != before["geometry"] and s, 20,
+                     "the block view to redraw for step 3")
+    assert after["svg"] > 0
+
+    # Fork the oldest running sequence: its blocks become shared (×2 in the cells).
+    pg.get_by_role("button", name="Fork", exact=True).first.click()
+    wait_for(lambda: "fork" in live_status(pg), 20, "the fork to show in the status line")
+    forked = live_plot_state(pg)
+    assert any("×2" in c for c in forked["cells"]), forked["cells"]
+    pg.get_by_role("button", name="Step", exact=True).first.click()
+    wait_for(lambda: live_status(pg).startswith("step 4 "), 20, "step 4")
+    live_output.screenshot(path=str(ARTIFACTS / "live_widget_after_fork.png"))
+
+    # Hover a block: its tokens and reference count show.
+    box = pg.locator(".jupyter-widgets .js-plotly-plot .textpoint").first.bounding_box()
+    pg.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)   # plotly's drag layer is on top
+    hover_text = "() => (document.querySelector('.jupyter-widgets .js-plotly-plot .hoverlayer') || {}).textContent"
+    label = wait_for(lambda: "block 0" in (pg.evaluate(hover_text) or "") and pg.evaluate(hover_text), 10,
+                     "the hover label of block 0")
+    assert "refs 2" in label and "tokens [" in label, label      # block 0 is shared by r0 and r0#1
+    live_output.screenshot(path=str(ARTIFACTS / "live_widget_hover.png"))
+
+    # Play at the chosen speed, then stop: the engine steps by itself meanwhile.
+    live_cell = pg.locator(".jp-Cell").nth(1)
+    start = int(live_status(pg).split()[1])
+    live_cell.locator(".widget-play button").first.click()
+    wait_for(lambda: int(live_status(pg).split()[1]) >= start + 2, 20, "play to step the engine twice")
+    live_cell.locator(".widget-play button:visible").last.click()     # stop
+    pg.wait_for_timeout(800)
+    stopped = live_status(pg)
+    pg.wait_for_timeout(1200)
+    assert live_status(pg) == stopped, "the engine kept stepping after stop"
+
+    # The Output fallback (what Colab gets) draws a plotly figure and redraws it on Step.
+    fallback = pg.locator(".jp-Cell").nth(5)
+    fallback.scroll_into_view_if_needed()
+    fallback.locator(".js-plotly-plot .main-svg").first.wait_for()
+    fb_status = lambda: next((t for t in fallback.locator(".widget-html-content code").all_inner_texts()  # noqa: E731
+                              if t.startswith("step ")), "")
+    assert fb_status().startswith("step 1 ")
+    fallback.get_by_role("button", name="Step", exact=True).click()
+    wait_for(lambda: fb_status().startswith("step 2 "), 20, "the fallback widget to step")
+    fallback.locator(".js-plotly-plot .main-svg").first.wait_for()
+    fallback.locator(".jp-OutputArea").first.screenshot(path=str(ARTIFACTS / "live_widget_output_fallback.png"))
+
+    for i, name in [(2, "timeline"), (3, "waste_chart")]:
+        out = pg.locator(".jp-Cell").nth(i).locator(".jp-OutputArea")
+        out.scroll_into_view_if_needed()
+        out.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+
+    # The exported replay plays without any kernel.
+    replay = root / "replay.html"
+    assert replay.exists() and replay.stat().st_size > 100_000
+    pg.goto(replay.as_uri())
+    pg.wait_for_selector(".js-plotly-plot .main-svg")
+    first = pg.evaluate("() => document.querySelector('.js-plotly-plot').layout.title.text")
+    pg.get_by_text("▶ play").click()
+    wait_for(lambda: pg.evaluate("() => document.querySelector('.js-plotly-plot').layout.sliders[0].active") >= 3,
+             20, "the replay's slider to advance")
+    assert pg.evaluate("() => document.querySelector('.js-plotly-plot').layout.title.text") != first
+    pg.screenshot(path=str(ARTIFACTS / "replay_export.png"))
+    assert time.monotonic() - t0 < 120

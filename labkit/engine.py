@@ -62,6 +62,7 @@ class Engine:
         self.last_plan: SchedulerOutput | None = None
         self._detok: dict[int, IncrementalDetokenizer] = {}   # seq_id -> its text so far
         self.deltas: dict[int, str] = {}                      # seq_id -> text gained last step
+        self._shown: dict[int, int] = {}                      # seq_id -> chars already in deltas
 
     @property
     def now(self) -> float:
@@ -107,7 +108,9 @@ class Engine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(start)
         t1 = time.perf_counter()
+        self.last_plan = plan
         if plan.is_empty:
+            self.deltas.clear()
             return []
         result = self.executor.execute(plan)
         t2 = time.perf_counter()
@@ -117,7 +120,6 @@ class Engine:
         finished = self.scheduler.update(plan, result.sampled, end)
         if self.tokenizer is not None:
             finished += self._detokenize(plan, end)
-        self.last_plan = plan
         t3 = time.perf_counter()
         self.schedule_s += (t1 - t0) + (t3 - t2)
         self.busy_s += end - start
@@ -133,12 +135,19 @@ class Engine:
 
     def _detokenize(self, plan: SchedulerOutput, now: float) -> list[Request]:
         """Extend each sampled sequence's text; finish the ones that produced a stop string
-        (the text is cut before it, as vLLM does). Returns requests that finished so."""
+        (the text is cut before it, as vLLM does). Returns requests that finished so.
+
+        ``deltas`` gets the text each sequence gained in this iteration. Text that might
+        still turn out to begin a stop string is held back until it cannot, so a stream
+        never shows characters that the stop later cuts.
+        """
+        self.deltas.clear()
         finished = []
         for item in plan.scheduled:
             if item.num_samples == 0:
                 continue
             request = item.seq.request
+            stops = request.params.stop
             # At a fork, every sequence of the request got its first token in this iteration.
             targets = request.seqs if item.num_samples > 1 else (item.seq,)
             for seq in targets:
@@ -146,9 +155,9 @@ class Engine:
                 if detok is None:
                     detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
                 before = len(detok.text)
-                self.deltas[seq.seq_id] = detok.add(seq.output_token_ids[len(detok.token_ids):])
-                if request.params.stop and self._cut_at_stop(detok, before, request.params.stop):
-                    self.deltas[seq.seq_id] = detok.text[before:]
+                detok.add(seq.output_token_ids[len(detok.token_ids):])
+                hit = bool(stops) and self._cut_at_stop(detok, before, stops)
+                if hit:
                     if seq.status is Status.RUNNING:
                         self.scheduler.finish_sequence(seq, "stop")
                     else:
@@ -157,6 +166,12 @@ class Engine:
                         del self.scheduler.requests[request.request_id]
                         request.finish_time = now
                         finished.append(request)
+                shown = self._shown.get(seq.seq_id, 0)
+                end = len(detok.text)
+                if stops and seq.status is not Status.FINISHED:
+                    end -= _stop_prefix_len(detok.text, stops)
+                self.deltas[seq.seq_id] = detok.text[shown:end]
+                self._shown[seq.seq_id] = max(shown, end)
         return finished
 
     @staticmethod
@@ -179,6 +194,7 @@ class Engine:
         for seq in request.seqs:
             self._detok.pop(seq.seq_id, None)
             self.deltas.pop(seq.seq_id, None)
+            self._shown.pop(seq.seq_id, None)
 
     # ---- numbers for notebooks and benchmarks --------------------------------------
     def stats(self) -> dict:
@@ -200,3 +216,14 @@ class Engine:
             "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
             "num_steps": self.num_steps,
         }
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="linear cost model in seconds (default: fitted to SmolLM2-135M on this CPU)")
     p.add_argument("--overhead", default=None, metavar="N[,N...]",
                    help="instead: measure wall time per schedule()+update() with N running requests")
+    p.add_argument("--calibrate", action="store_true",
+                   help="instead: fit the linear cost model to the real engine (smollm2-135m) on this machine")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -54,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.calibrate:
+        from ..sim.calibrate import calibrate
+        model, err = calibrate()
+        print(json.dumps({"fixed_s": model.fixed_s, "per_token_s": model.per_token_s,
+                          "per_context_token_s": model.per_context_token_s,
+                          "relative_error_total_time": err}))
+        return 0
     if args.overhead:
         result = {f"running_{n}": measure_overhead(int(n)) for n in args.overhead.split(",")}
         print(json.dumps(result, indent=None if args.json else 2))

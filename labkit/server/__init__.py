@@ -1,0 +1,30 @@
+"""Layer 4: online serving. An async engine loop and an OpenAI-compatible HTTP server.
+
+* ``AsyncEngine``: the engine on a background thread; requests join at the next
+  iteration, each with an async stream of outputs; cancel a stream and its blocks free;
+* ``create_app``: the FastAPI app (``/v1/completions``, ``/v1/chat/completions``,
+  ``/v1/models``, ``/health``, ``/metrics``);
+* ``BackgroundServer``: the server on a thread (notebooks, tests), on a free loopback port;
+* ``python -m labkit serve``: the same in the foreground.
+
+FastAPI and uvicorn come with ``pip install 'labkit[serve]'``; they load when the app is
+first built, so ``AsyncEngine`` alone needs neither.
+"""
+
+from __future__ import annotations
+
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestRecord, RequestStream
+from .metrics import parse_metrics, render_metrics
+
+__all__ = ["AsyncEngine", "RequestStream", "RequestRecord", "QueueFullError", "EngineDeadError",
+           "create_app", "BackgroundServer", "serve", "parse_metrics", "render_metrics"]
+
+
+def __getattr__(name):
+    if name == "create_app":
+        from .app import create_app
+        return create_app
+    if name in ("BackgroundServer", "serve"):
+        from . import background
+        return getattr(background, name)
+    raise AttributeError(f"module 'labkit.server' has no attribute {name!r}")

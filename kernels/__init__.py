@@ -5,7 +5,8 @@ Read in this order; each file stands on its own (kernel, torch reference, launch
 1. ``reshape_and_cache.py``        write new K/V into their cache slots
 2. ``paged_decode_attention.py``   one query per sequence over its blocks (GQA, online softmax)
 3. ``paged_prefill_attention.py``  chunks of queries over paged context, causally
-4. ``backend.py``                  "auto" | "torch" | "triton", and the ops of each
+4. ``paged_decode_attention_cpu.py`` the decode kernel's algorithm as a Numba loop, for CPUs
+5. ``backend.py``                  "auto" | "torch" | "triton" | "cpu", and the ops of each
 
 The KV cache of a layer is ``k_cache``, ``v_cache``: [num_blocks, block_size, num_kv_heads,
 head_dim]; a token's slot is ``block_id * block_size + offset``.
@@ -38,6 +39,7 @@ from .backend import (  # noqa: E402
     triton_is_interpreted,
 )
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from .paged_decode_attention_cpu import paged_decode_attention_cpu  # noqa: E402
 from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
 
@@ -47,6 +49,7 @@ __all__ = [
     "HAS_TRITON",
     "get_attention_ops",
     "paged_decode_attention",
+    "paged_decode_attention_cpu",
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",

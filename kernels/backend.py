@@ -8,10 +8,13 @@ attention, prefill attention):
   On a CPU they can run under the Triton interpreter (``TRITON_INTERPRET=1``): correct, very
   slow, for tests and for stepping through a kernel.
 * ``"torch"``: the references (gather blocks + ``scaled_dot_product_attention``). They run
-  anywhere; on CPU they are the fast path.
+  anywhere, on any dtype.
+* ``"cpu"``: the references, except decode, which reads the paged cache in place with a
+  Numba-compiled loop (``paged_decode_attention_cpu.py``): the CPU's fast path for fp32.
 
-``"auto"`` picks compiled Triton where it can run and the torch reference elsewhere, and
-says why, so the engine can print the reason once.
+``"auto"`` picks compiled Triton where it can run, the CPU kernels on a CPU (when Numba
+is installed) and the torch reference elsewhere, and says why, so the engine can print
+the reason once.
 
 Interpreter or compiler is decided when the ``@triton.jit`` functions are *defined*, i.e.
 when ``labkit.kernels`` is imported: ``labkit/kernels/__init__.py`` sets
@@ -27,12 +30,16 @@ import torch
 from ._common import HAS_TRITON, TRITON_IMPORT_ERROR, kernel_is_interpreted
 from .paged_decode_attention import _paged_decode_kernel, paged_decode_attention, paged_decode_attention_ref
 from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from .paged_decode_attention_cpu import HAS_NUMBA, NUMBA_IMPORT_ERROR, paged_decode_attention_cpu
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 MIN_COMPUTE_CAPABILITY = (8, 0)
 _NO_CUDA = ("torch reference: no CUDA device (Triton runs compiled on CUDA GPUs of compute "
             "capability 8.0+)")
+_CPU = ("CPU kernels: Numba decode attention reading the paged cache in place, torch "
+        "references for the rest (no CUDA device; Triton runs compiled on CUDA GPUs of compute "
+        "capability 8.0+)")
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,7 @@ class AttentionOps:
     :func:`reshape_and_cache`, :func:`paged_decode_attention` and
     :func:`paged_prefill_attention`."""
 
-    name: str                                  # "torch" or "triton"
+    name: str                                  # "torch", "triton" or "cpu"
     reshape_and_cache: Callable[..., None]
     decode: Callable[..., torch.Tensor]
     prefill: Callable[..., torch.Tensor]
@@ -60,9 +67,9 @@ def _check_name(name: str, options: tuple[str, ...]) -> None:
 
 def select_attention_backend(requested: str = "auto",
                              device: torch.device | str | None = None) -> tuple[str, str]:
-    """Resolve ``requested`` ("auto" | "torch" | "triton") for ``device`` into
-    ``(backend, reason)``, backend being "torch" or "triton" and reason a sentence for
-    the user.
+    """Resolve ``requested`` ("auto" | "torch" | "triton" | "cpu") for ``device`` into
+    ``(backend, reason)``, backend being "torch", "triton" or "cpu" and reason a sentence
+    for the user.
 
     ``device`` None means CUDA if available, else CPU. "auto" never fails; an explicit
     "triton" that cannot run raises RuntimeError saying why and what to do.
@@ -73,9 +80,17 @@ def select_attention_backend(requested: str = "auto",
     device = torch.device(device)
     if requested == "torch":
         return "torch", "torch reference: requested"
+    if requested == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError(f"attention backend 'cpu' runs on CPU tensors, not on {device}")
+        if not HAS_NUMBA:
+            raise RuntimeError(f"attention backend 'cpu' needs Numba ({NUMBA_IMPORT_ERROR}); use 'torch'")
+        return "cpu", "CPU kernels: requested"
 
     if device.type != "cuda" or not torch.cuda.is_available():
         if requested == "auto":
+            if device.type == "cpu" and HAS_NUMBA:
+                return "cpu", _CPU
             return "torch", _NO_CUDA
         if device.type == "cuda":
             raise RuntimeError(f"attention backend 'triton' on {device}: no CUDA device is available")
@@ -116,13 +131,15 @@ _TORCH_OPS = AttentionOps("torch", reshape_and_cache_ref, paged_decode_attention
                           paged_prefill_attention_ref)
 _TRITON_OPS = AttentionOps("triton", reshape_and_cache, paged_decode_attention,
                            paged_prefill_attention)
+_CPU_OPS = AttentionOps("cpu", reshape_and_cache_ref, paged_decode_attention_cpu,
+                        paged_prefill_attention_ref)
 
 
 def get_attention_ops(backend: str) -> AttentionOps:
-    """The operations of a resolved backend, "torch" or "triton" (resolve "auto" with
-    :func:`select_attention_backend` first: the choice depends on the device)."""
-    _check_name(backend, ("torch", "triton"))
+    """The operations of a resolved backend, "torch", "triton" or "cpu" (resolve "auto"
+    with :func:`select_attention_backend` first: the choice depends on the device)."""
+    _check_name(backend, ("torch", "triton", "cpu"))
     if backend == "triton" and not HAS_TRITON:
         raise RuntimeError(f"attention backend 'triton' needs Triton, which is not installed "
                            f"({TRITON_IMPORT_ERROR}); use 'torch'")
-    return _TORCH_OPS if backend == "torch" else _TRITON_OPS
+    return {"torch": _TORCH_OPS, "triton": _TRITON_OPS, "cpu": _CPU_OPS}[backend]

@@ -222,6 +222,18 @@ def test_decode_kernel_matches_ref(device, dtype, block_size, num_heads, num_kv_
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, context_lens", DECODE_CASES)
+def test_cpu_decode_kernel_matches_naive(block_size, num_heads, num_kv_heads, head_dim, context_lens):
+    pytest.importorskip("numba", reason="the CPU decode kernel needs Numba")
+    q, k_cache, v_cache, tables, lens = make_decode_batch(block_size, num_heads, num_kv_heads,
+                                                          head_dim, context_lens)
+    scale = head_dim ** -0.5
+    out = K.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
+    expect = naive_attention(q, k_cache, v_cache, tables, lens, [1] * len(context_lens), scale)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), expect, **TOL[torch.float32])
+
+
 def test_decode_ref_handles_chunks_of_the_batch(monkeypatch):
     """The CPU reference gathers a few sequences at a time: the chunking must not show."""
     q, k_cache, v_cache, tables, lens = make_decode_batch(16, 9, 3, 64, [1, 16, 37, 5, 50, 2, 33])
@@ -323,9 +335,13 @@ def test_bad_shapes_are_refused(op):
 # ------------------------------------------------------------------ backends
 
 
-def test_auto_on_cpu_is_the_torch_reference():
+def test_auto_on_cpu_is_the_cpu_kernels_or_the_torch_reference():
     backend, reason = K.select_attention_backend("auto", "cpu")
-    assert backend == "torch" and "no CUDA device" in reason and "8.0" in reason
+    assert "no CUDA device" in reason and "8.0" in reason
+    assert backend == ("cpu" if K.backend.HAS_NUMBA else "torch")
+    if backend == "cpu":
+        ops = K.get_attention_ops("cpu")
+        assert ops.decode is K.paged_decode_attention_cpu and ops.prefill is K.paged_prefill_attention_ref
 
 
 def test_torch_is_always_available():

@@ -43,8 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="static policy: reserve the model's max length or prompt+max_tokens")
     eng.add_argument("--no-chunked-prefill", action="store_true")
     eng.add_argument("--prefix-caching", action="store_true")
-    eng.add_argument("--cost", default=None, metavar="FIXED,PER_TOKEN,PER_CONTEXT_TOKEN",
+    eng.add_argument("--cost", default=None, metavar="FIXED,PER_TOKEN,PER_PREFILL_CTX,PER_DECODE_CTX",
                      help="linear cost model in seconds (default: fitted to SmolLM2-135M on this CPU)")
+    eng.add_argument("--roofline", default=None, metavar="MODEL@HARDWARE",
+                     help="roofline cost model from presets instead, e.g. llama-3-8b@a100-80gb "
+                          "(see labkit.sim.roofline)")
     p.add_argument("--overhead", default=None, metavar="N[,N...]",
                    help="instead: measure wall time per schedule()+update() with N running requests")
     p.add_argument("--calibrate", action="store_true",
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         from ..sim.calibrate import calibrate
         model, err = calibrate()
         print(json.dumps({"fixed_s": model.fixed_s, "per_token_s": model.per_token_s,
-                          "per_context_token_s": model.per_context_token_s,
+                          "per_prefill_context_token_s": model.per_prefill_context_token_s,
+                          "per_decode_context_token_s": model.per_decode_context_token_s,
                           "relative_error_total_time": err}))
         return 0
     if args.overhead:
@@ -77,11 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     cost = None
     if args.cost:
         try:
-            fixed, per_token, per_ctx = (float(x) for x in args.cost.split(","))
+            fixed, per_token, per_prefill, per_decode = (float(x) for x in args.cost.split(","))
         except ValueError:
-            print(f"--cost wants three numbers FIXED,PER_TOKEN,PER_CONTEXT_TOKEN, got {args.cost!r}", file=sys.stderr)
+            print(f"--cost wants four numbers FIXED,PER_TOKEN,PER_PREFILL_CTX,PER_DECODE_CTX, got {args.cost!r}",
+                  file=sys.stderr)
             return 2
-        cost = LinearCostModel(fixed, per_token, per_ctx, name="custom")
+        cost = LinearCostModel(fixed, per_token, per_prefill, per_decode, name="custom")
+    elif args.roofline:
+        from ..sim.roofline import roofline
+        model, _, hardware = args.roofline.partition("@")
+        try:
+            cost = roofline(model, hardware or "a100-80gb")
+        except ValueError as e:
+            print(f"--roofline: {e}", file=sys.stderr)
+            return 2
     policies = POLICIES if args.policy == "both" else (args.policy,)
     results = {}
     for policy in policies:
@@ -93,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                        progress=not args.no_progress and not args.json)
         m = res.metrics
         m["schedule_ms_per_step"] = 1000 * m["scheduler_wall_s"] / max(1, m["steps"])
+        m["cost_model"] = res.engine.executor.cost_model.name
         results[policy] = m
     if len(results) == 1:
         out = next(iter(results.values()))

@@ -3,7 +3,8 @@
 Serve a workload with the real model, record each iteration's ``BatchShape`` and its
 measured duration, and solve the least-squares problem
 
-    duration ~ fixed + per_token * tokens + per_context_token * context tokens
+    duration ~ fixed + per_token * tokens + per_prefill_context * prompt keys read
+                     + per_decode_context * decode keys read
 
 so that simulated time tracks real time for this model on this machine.
 """
@@ -32,14 +33,13 @@ class RecordingExecutor:
 
 
 def fit_linear_cost_model(samples: list[tuple[BatchShape, float]], name: str = "fitted") -> LinearCostModel:
-    """Least-squares fit of the three coefficients (each clipped at zero)."""
-    if len(samples) < 3:
-        raise ValueError(f"need at least 3 measured iterations to fit 3 coefficients, got {len(samples)}")
-    a = np.array([[1.0, s.num_tokens, s.decode_context_tokens + s.prefill_context_tokens] for s, _ in samples])
+    """Least-squares fit of the four coefficients (each clipped at zero)."""
+    if len(samples) < 4:
+        raise ValueError(f"need at least 4 measured iterations to fit 4 coefficients, got {len(samples)}")
+    a = np.array([[1.0, s.num_tokens, s.prefill_context_tokens, s.decode_context_tokens] for s, _ in samples])
     y = np.array([t for _, t in samples])
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    fixed, per_token, per_ctx = (max(0.0, float(c)) for c in coef)
-    return LinearCostModel(fixed, per_token, per_ctx, name=name)
+    return LinearCostModel(*(max(0.0, float(c)) for c in coef), name=name)
 
 
 def calibrate(model: str = "smollm2-135m", num_requests: int = 32, seed: int = 0, **llm_options):

@@ -6,12 +6,14 @@ computes, and how much context their attention reads.
 
 ``LinearCostModel`` is the simplest faithful model of a CPU or GPU forward pass:
 
-    t = fixed + per_token * (batched tokens) + per_context_token * (context tokens attended)
+    t = fixed + per_token * (batched tokens)
+              + per_prefill_context_token * (keys read by prompt tokens)
+              + per_decode_context_token * (keys read by decode tokens)
 
 * ``fixed``: what every iteration pays whatever its size (reading the weights once,
   Python and kernel-launch overhead);
 * ``per_token``: the matrix multiplies, linear in the tokens computed;
-* ``per_context_token``: attention, linear in the keys and values read.
+* the context terms: attention, linear in the keys and values read.
 
 Its defaults were fitted to labkit's own engine serving SmolLM2-135M in fp32 on the
 2-core development CPU (``python -m labkit.bench sim --calibrate`` repeats the fit);
@@ -57,13 +59,20 @@ class BatchShape:
 
 @dataclass(slots=True)
 class LinearCostModel:
-    """Iteration time = fixed + per_token * tokens + per_context_token * context read."""
+    """Iteration time = fixed + per_token * tokens + the attention terms.
 
-    fixed_s: float = 0.020
-    per_token_s: float = 0.0020
-    per_context_token_s: float = 2.0e-6
+    Attention is split by phase because its cost per key read differs: a prefill chunk
+    reads each key once for many queries (compute-bound, cheap per pair), while each
+    decode token reads its whole context for one query (memory-bound, dear per key).
+    """
+
+    fixed_s: float = 0.025
+    per_token_s: float = 0.0008
+    per_prefill_context_token_s: float = 1.1e-6
+    per_decode_context_token_s: float = 4.0e-6
     name: str = "cpu-smollm2-135m-fp32"
 
     def iteration_time(self, shape: BatchShape) -> float:
-        context = shape.decode_context_tokens + shape.prefill_context_tokens
-        return self.fixed_s + self.per_token_s * shape.num_tokens + self.per_context_token_s * context
+        return (self.fixed_s + self.per_token_s * shape.num_tokens
+                + self.per_prefill_context_token_s * shape.prefill_context_tokens
+                + self.per_decode_context_token_s * shape.decode_context_tokens)

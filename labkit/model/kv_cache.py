@@ -1,0 +1,85 @@
+"""The paged KV cache: fixed-size physical blocks, allocated once.
+
+For every layer there is a K and a V tensor of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's *slot* is
+``block_id * block_size + offset``; which blocks belong to which sequence is decided by the
+block manager (``labkit.memory``), which knows nothing about tensors. All layers live in one
+tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` so that a
+copy-on-write copy of a block is a single indexed copy across every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_KV_BUDGET_BYTES = 2 << 30  # 2 GiB: ~46k tokens of SmolLM2-135M in fp32
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _num_kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of K and V one token takes across all layers: 2 * layers * kv_heads * head_dim * itemsize."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * _num_kv_heads(config) * _head_dim(config) * itemsize
+
+
+def num_blocks_for_budget(config, block_size: int, budget_bytes: int, dtype: torch.dtype = torch.float32) -> int:
+    """How many blocks of ``block_size`` tokens fit in ``budget_bytes``."""
+    return int(budget_bytes // (kv_bytes_per_token(config, dtype) * block_size))
+
+
+class KVCache:
+    """K/V blocks for every layer of one model."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device="cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        # Zeros, not empty: a kernel that multiplies masked-out slots by 0 must not meet NaN garbage.
+        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+        self.k_caches = [self.data[i, 0] for i in range(num_layers)]  # views, one per layer
+        self.v_caches = [self.data[i, 1] for i in range(num_layers)]
+
+    @classmethod
+    def from_config(cls, config, block_size: int = 16, num_blocks: int | None = None,
+                    budget_bytes: int | None = None, dtype: torch.dtype = torch.float32, device="cpu") -> "KVCache":
+        """Size the cache by ``num_blocks`` or, if None, by ``budget_bytes`` (default 2 GiB)."""
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(config, block_size, budget_bytes or DEFAULT_KV_BUDGET_BYTES, dtype)
+            if num_blocks < 1:
+                raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens")
+        return cls(config.num_hidden_layers, num_blocks, block_size, _num_kv_heads(config), _head_dim(config),
+                   dtype, device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def copy_blocks(self, pairs) -> None:
+        """Copy-on-write: for each ``(src, dst)`` copy block ``src`` into ``dst``, in every layer.
+
+        All sources are read before any destination is written (one gather, one scatter).
+        """
+        if not pairs:
+            return
+        idx = torch.as_tensor(pairs, dtype=torch.long, device=self.data.device).view(-1, 2)
+        src, dst = idx[:, 0], idx[:, 1]
+        self.data.index_copy_(2, dst, self.data.index_select(2, src))
+
+    def __repr__(self) -> str:
+        return (f"KVCache(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {self.dtype}, "
+                f"{self.nbytes / 2**20:.0f} MiB)")

@@ -5,13 +5,16 @@ a dense tensor and then attends: the K/V bytes are copied once more than they ne
 and decode is memory-bound, so that copy costs about as much as the attention itself.
 This kernel reads K and V *in place*, following the block table exactly as the Triton
 kernel does, and is compiled by Numba (``@njit(parallel=True)``): one task per
-(sequence, KV head), spread over the CPU cores.
+sequence, spread over the CPU cores.
 
-Each task, for its KV head's ``group`` query heads (GQA):
+Each task:
 
 1. scores: for every context position ``t``, find its slot through the block table
-   (``block_tables[s, t // block_size]``, offset ``t % block_size``) and dot the key with
-   each query head;
+   (``block_tables[s, t // block_size]``, offset ``t % block_size``) and dot its keys with
+   the query heads (GQA: each KV head serves ``group`` query heads). The keys of all KV
+   heads of a token are one contiguous row of the block, so each row is read once, whole:
+   one task per sequence rather than per (sequence, KV head), which would read a third of
+   each row at a time and pay for the rest of the cache lines anyway;
 2. softmax over the scores (max-subtracted, in fp32);
 3. output: the probability-weighted sum of the values, read through the block table again.
 
@@ -50,44 +53,48 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out):
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    for task in prange(num_seqs * num_kv_heads):
-        s, kvh = task // num_kv_heads, task % num_kv_heads
+    for s in prange(num_seqs):
         n = context_lens[s]
-        qs = np.empty((group, head_dim), dtype=np.float32)
-        for g in range(group):
+        qs = np.empty((num_heads, head_dim), dtype=np.float32)
+        for h in range(num_heads):
             for d in range(head_dim):
-                qs[g, d] = q[s, kvh * group + g, d] * scale
-        # 1. scores, reading each key once for all the query heads of this KV head
-        scores = np.empty((group, n), dtype=np.float32)
+                qs[h, d] = q[s, h, d] * scale
+        # 1. scores. A token's keys for all KV heads are one contiguous row of the block:
+        #    read it once, for every query head (GQA: group query heads per KV head).
+        scores = np.empty((num_heads, n), dtype=np.float32)
         for t in range(n):
-            k = k_cache[block_tables[s, t // block_size], t % block_size, kvh]
-            for g in range(group):
-                acc = np.float32(0.0)
-                for d in range(head_dim):
-                    acc += qs[g, d] * k[d]
-                scores[g, t] = acc
+            keys = k_cache[block_tables[s, t // block_size], t % block_size]   # [kv_heads, head_dim]
+            for kvh in range(num_kv_heads):
+                for g in range(group):
+                    h = kvh * group + g
+                    acc = np.float32(0.0)
+                    for d in range(head_dim):
+                        acc += qs[h, d] * keys[kvh, d]
+                    scores[h, t] = acc
         # 2. softmax per query head
-        for g in range(group):
-            m = scores[g].max()
+        for h in range(num_heads):
+            m = scores[h].max()
             total = np.float32(0.0)
             for t in range(n):
-                e = np.float32(math.exp(scores[g, t] - m))
-                scores[g, t] = e
+                e = np.float32(math.exp(scores[h, t] - m))
+                scores[h, t] = e
                 total += e
             inv = np.float32(1.0) / total
             for t in range(n):
-                scores[g, t] *= inv
-        # 3. weighted sum of the values, each value read once
-        acc_v = np.zeros((group, head_dim), dtype=np.float32)
+                scores[h, t] *= inv
+        # 3. the probability-weighted sum of the values, each value row read once
+        acc_v = np.zeros((num_heads, head_dim), dtype=np.float32)
         for t in range(n):
-            v = v_cache[block_tables[s, t // block_size], t % block_size, kvh]
-            for g in range(group):
-                p = scores[g, t]
-                for d in range(head_dim):
-                    acc_v[g, d] += p * v[d]
-        for g in range(group):
+            values = v_cache[block_tables[s, t // block_size], t % block_size]
+            for kvh in range(num_kv_heads):
+                for g in range(group):
+                    h = kvh * group + g
+                    p = scores[h, t]
+                    for d in range(head_dim):
+                        acc_v[h, d] += p * values[kvh, d]
+        for h in range(num_heads):
             for d in range(head_dim):
-                out[s, kvh * group + g, d] = acc_v[g, d]
+                out[s, h, d] = acc_v[h, d]
 
 
 if HAS_NUMBA:

@@ -1,0 +1,342 @@
+"""Generate the student notebooks (``notebooks/``) from the solved ones (``solutions/``).
+
+``solutions/`` is the single source. In its code cells, each exercise's answer sits
+between two marker lines::
+
+    ### BEGIN SOLUTION hint: divide the slots used by the slots reserved
+    fraction_used = 200 / 4096
+    ### END SOLUTION
+
+``generate`` writes ``notebooks/NAME.ipynb`` for every ``solutions/NAME.ipynb`` with each
+such region replaced by one line, indented like the BEGIN marker::
+
+    raise NotImplementedError("divide the slots used by the slots reserved")
+
+(the hint after ``hint:`` is optional; without one a generic hint is used). Everything
+else is kept identical, except what running a notebook adds: outputs, execution counts,
+per-cell execution metadata and widget state (plotly's FigureWidget stores megabytes of
+JavaScript there) are stripped; the kernelspec is kept.
+
+Conventions the notebooks follow (and the tests check):
+
+* a **stub cell** is a code cell with a solution region (in the student notebook: with the
+  ``raise NotImplementedError`` line that replaced it);
+* a **check cell** is a code cell whose first line starts with ``# CHECK``; it calls a
+  grader from ``labkit.exercises``, which raises ``AssertionError`` with a hint on a wrong
+  answer. A student notebook run top to bottom may fail in stub and check cells only:
+  other cells never use an exercise's answer;
+* cells whose output varies from run to run (plots, widgets, timings) start with
+  ``# NBVAL_IGNORE_OUTPUT``; grading runs ``pytest --nbval-lax``, which compares no
+  output anyway, so a cell fails only by raising.
+
+Commands (from the repository root)::
+
+    python -m labkit.notebooks generate   # write notebooks/ from solutions/
+    python -m labkit.notebooks check      # exit 1 if notebooks/ is stale or anything stores outputs
+    python -m labkit.notebooks strip      # strip outputs and widget state from solutions/ in place
+    python -m labkit.notebooks verify submissions/   # students' check cells unchanged?
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+BEGIN = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION(?:[ \t]+hint:[ \t]*(?P<hint>.*?))?[ \t]*$")
+END = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
+MARKER = re.compile(r"###[ \t]*(BEGIN|END)[ \t]+SOLUTION")
+STUB_PREFIX = "raise NotImplementedError("
+DEFAULT_HINT = "replace this line with your solution"
+CHECK_PREFIX = "# CHECK"
+
+# Metadata a run adds and a committed notebook must not carry.
+VOLATILE_CELL_METADATA = ("execution", "ExecuteTime", "widgets")
+KEPT_NOTEBOOK_METADATA = ("kernelspec", "language_info", "colab", "accelerator")
+DEFAULT_KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+
+
+class NotebookError(ValueError):
+    """A solution notebook breaks the conventions (unbalanced markers, marker in markdown)."""
+
+
+# ---- cells -----------------------------------------------------------------------------
+def _source(cell) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def is_check_cell(cell) -> bool:
+    """A code cell whose first line starts with ``# CHECK``."""
+    return cell.get("cell_type") == "code" and _source(cell).lstrip("\n").startswith(CHECK_PREFIX)
+
+
+def is_solution_cell(cell) -> bool:
+    """A code cell of a solution notebook holding a ``### BEGIN SOLUTION`` region."""
+    return cell.get("cell_type") == "code" and any(BEGIN.match(line) for line in _source(cell).splitlines())
+
+
+def is_stub_cell(cell) -> bool:
+    """A code cell of a student notebook where a solution region was replaced by a stub."""
+    return cell.get("cell_type") == "code" and any(
+        line.strip().startswith(STUB_PREFIX) for line in _source(cell).splitlines())
+
+
+def stub_source(source: str, where: str = "cell") -> str:
+    """``source`` with every solution region replaced by a ``raise NotImplementedError``."""
+    out: list[str] = []
+    region = None                     # (indent, hint, line number) of the open BEGIN marker
+    for number, line in enumerate(source.split("\n"), start=1):
+        begin, end = BEGIN.match(line), END.match(line)
+        if begin:
+            if region is not None:
+                raise NotebookError(f"{where}, line {number}: BEGIN SOLUTION inside the region "
+                                    f"opened on line {region[2]}")
+            region = (begin.group("indent"), (begin.group("hint") or "").strip() or DEFAULT_HINT, number)
+        elif end:
+            if region is None:
+                raise NotebookError(f"{where}, line {number}: END SOLUTION without BEGIN SOLUTION")
+            indent, hint, _ = region
+            out.append(f"{indent}{STUB_PREFIX}{json.dumps(hint, ensure_ascii=False)})")
+            region = None
+        elif MARKER.search(line):
+            raise NotebookError(f"{where}, line {number}: malformed marker {line.strip()!r}; write "
+                                "'### BEGIN SOLUTION [hint: ...]' or '### END SOLUTION' on a line of its own")
+        elif region is None:
+            out.append(line)
+    if region is not None:
+        raise NotebookError(f"{where}: BEGIN SOLUTION on line {region[2]} is never closed")
+    return "\n".join(out)
+
+
+# ---- notebooks ---------------------------------------------------------------------------
+def clean(nb) -> "nbformat.NotebookNode":
+    """A copy of ``nb`` without outputs, execution counts, run metadata or widget state."""
+    nb = nbformat.from_dict(json.loads(json.dumps(nb)))
+    meta = {k: v for k, v in nb.metadata.items() if k in KEPT_NOTEBOOK_METADATA}
+    meta.setdefault("kernelspec", dict(DEFAULT_KERNELSPEC))
+    if "language_info" in meta:       # its version fields describe the machine that last ran it
+        meta["language_info"] = {"name": meta["language_info"].get("name", "python")}
+    nb.metadata = nbformat.from_dict(meta)
+    for cell in nb.cells:
+        cell.source = _source(cell)
+        for key in VOLATILE_CELL_METADATA:
+            cell.metadata.pop(key, None)
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+        else:
+            cell.pop("outputs", None)
+            cell.pop("execution_count", None)
+    return nb
+
+
+def student_version(nb, name: str = "notebook") -> "nbformat.NotebookNode":
+    """The student notebook of a solution notebook: cleaned, solution regions stubbed."""
+    nb = clean(nb)
+    for index, cell in enumerate(nb.cells):
+        where = f"{name}, cell {index}"
+        if cell.cell_type == "code":
+            cell.source = stub_source(cell.source, where)
+        elif MARKER.search(cell.source):
+            raise NotebookError(f"{where}: solution markers belong in code cells, not {cell.cell_type}")
+    return nb
+
+
+def read(path: Path) -> "nbformat.NotebookNode":
+    """Read a notebook; cells without an id get one derived from the file name and their
+    position (nbformat would invent random ones, and generation must be reproducible)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if data.get("nbformat", 4) == 4 and data.get("nbformat_minor", 0) >= 5:
+        for index, cell in enumerate(data.get("cells", [])):
+            if "id" not in cell:
+                cell["id"] = hashlib.sha1(f"{Path(path).stem}/{index}".encode()).hexdigest()[:8]
+    for cell in data.get("cells", []):
+        cell["source"] = _source(cell)       # stored as a list of lines; worked on as one string
+    return nbformat.from_dict(data)
+
+
+def dumps(nb) -> str:
+    """The exact text a notebook is stored as (nbformat's layout, one trailing newline)."""
+    return nbformat.writes(nb, version=4).rstrip("\n") + "\n"
+
+
+def stored_state(nb) -> list[str]:
+    """What a committed notebook should not carry: outputs, counts, widget state."""
+    problems = []
+    if "widgets" in nb.metadata:
+        problems.append("notebook metadata holds widget state ('widgets')")
+    for index, cell in enumerate(nb.cells):
+        if cell.get("outputs"):
+            problems.append(f"cell {index} stores outputs")
+        if cell.get("execution_count") is not None:
+            problems.append(f"cell {index} stores an execution count")
+        for key in VOLATILE_CELL_METADATA:
+            if key in cell.get("metadata", {}):
+                problems.append(f"cell {index} stores '{key}' metadata")
+    return problems
+
+
+@dataclass
+class Paths:
+    root: Path
+
+    @property
+    def solutions(self) -> Path:
+        return self.root / "solutions"
+
+    @property
+    def notebooks(self) -> Path:
+        return self.root / "notebooks"
+
+    def solution_files(self) -> list[Path]:
+        return sorted(self.solutions.glob("*.ipynb"))
+
+
+def find_root(start: Path | None = None) -> Path:
+    """The checkout holding ``solutions/``: the working directory or a parent, else the
+    directory above the ``labkit`` package (an editable install)."""
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / "solutions").is_dir() and (d / "labkit").is_dir():
+            return d
+    pkg_parent = Path(__file__).resolve().parent.parent
+    if (pkg_parent / "solutions").is_dir():
+        return pkg_parent
+    raise FileNotFoundError("no solutions/ directory found: run this from a labkit checkout (or pass --root)")
+
+
+def expected_notebooks(paths: Paths) -> dict[str, str]:
+    """File name -> the text ``generate`` writes for it."""
+    out = {}
+    for path in paths.solution_files():
+        out[path.name] = dumps(student_version(read(path), f"solutions/{path.name}"))
+    return out
+
+
+def generate(paths: Paths) -> list[str]:
+    """Write ``notebooks/`` from ``solutions/``; remove student notebooks whose solution is
+    gone. Returns the names written or changed."""
+    expected = expected_notebooks(paths)
+    paths.notebooks.mkdir(exist_ok=True)
+    changed = []
+    for name, text in expected.items():
+        target = paths.notebooks / name
+        if not target.exists() or target.read_text(encoding="utf-8") != text:
+            target.write_text(text, encoding="utf-8")
+            changed.append(name)
+    for stale in sorted(paths.notebooks.glob("*.ipynb")):
+        if stale.name not in expected:
+            stale.unlink()
+            changed.append(f"{stale.name} (removed: no solutions/{stale.name})")
+    return changed
+
+
+def check(paths: Paths) -> list[str]:
+    """Every way ``notebooks/`` differs from what ``generate`` would write, and every
+    solution notebook that stores outputs or widget state. Empty when all is well."""
+    problems = []
+    try:
+        expected = expected_notebooks(paths)
+    except NotebookError as e:
+        return [str(e)]
+    for path in paths.solution_files():
+        for p in stored_state(read(path)):
+            problems.append(f"solutions/{path.name}: {p} (python -m labkit.notebooks strip)")
+    present = {p.name for p in paths.notebooks.glob("*.ipynb")} if paths.notebooks.is_dir() else set()
+    for name, text in expected.items():
+        target = paths.notebooks / name
+        if name not in present:
+            problems.append(f"notebooks/{name} is missing (python -m labkit.notebooks generate)")
+        elif target.read_text(encoding="utf-8") != text:
+            problems.append(f"notebooks/{name} differs from what solutions/{name} generates "
+                            "(edit solutions/, then python -m labkit.notebooks generate)")
+    for name in sorted(present - set(expected)):
+        problems.append(f"notebooks/{name} has no solutions/{name}")
+    return problems
+
+
+def strip(paths: Paths) -> list[str]:
+    """Clean every solution notebook in place (outputs, counts, widget state)."""
+    changed = []
+    for path in paths.solution_files():
+        text = path.read_text(encoding="utf-8")
+        new = dumps(clean(read(path)))
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(path.name)
+    return changed
+
+
+def check_cells(nb) -> list[str]:
+    """The sources of a notebook's check cells, in order."""
+    return [cell.source for cell in nb.cells if is_check_cell(cell)]
+
+
+def verify_submission(path: Path, paths: Paths) -> list[str]:
+    """Whether a student's notebook still has the check cells it was given: the ``# CHECK``
+    cells of ``notebooks/<same name>``, unchanged and in order (grading runs whatever the
+    file holds, so an edited check would grade nothing)."""
+    original = paths.notebooks / Path(path).name
+    if not original.exists():
+        return [f"{path}: no notebooks/{Path(path).name} to compare with"]
+    try:
+        submitted = check_cells(read(Path(path)))
+    except (OSError, ValueError) as e:
+        return [f"{path}: not a readable notebook ({e})"]
+    expected = check_cells(read(original))
+    problems = []
+    for k, cell in enumerate(expected):
+        title = cell.splitlines()[0]
+        if k >= len(submitted):
+            problems.append(f"{path}: check cell {title!r} is missing")
+        elif submitted[k] != cell:
+            problems.append(f"{path}: check cell {title!r} was edited")
+    if len(submitted) > len(expected):
+        problems.append(f"{path}: {len(submitted) - len(expected)} extra check cell(s)")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.notebooks",
+                                     description="Student notebooks from solutions/ (see the module docstring).")
+    parser.add_argument("command", choices=("generate", "check", "strip", "verify"))
+    parser.add_argument("submissions", nargs="*", type=Path,
+                        help="verify: student notebooks whose check cells to compare with notebooks/")
+    parser.add_argument("--root", type=Path, default=None, help="the checkout (default: found from here)")
+    args = parser.parse_args(argv)
+    try:
+        paths = Paths(args.root.resolve() if args.root else find_root())
+        if args.command == "verify":
+            files = [f for p in args.submissions for f in (sorted(p.rglob("*.ipynb")) if p.is_dir() else [p])]
+            problems = [msg for f in files if ".ipynb_checkpoints" not in f.parts
+                        for msg in verify_submission(f, paths)]
+            print("\n".join(problems) or f"{len(files)} notebooks: every check cell is intact")
+            return 1 if problems else 0
+        if args.command == "generate":
+            changed = generate(paths)
+            print("\n".join(f"wrote notebooks/{n}" for n in changed) or "notebooks/ is up to date")
+            return 0
+        if args.command == "strip":
+            changed = strip(paths)
+            print("\n".join(f"stripped solutions/{n}" for n in changed) or "solutions/ is clean")
+            return 0
+        problems = check(paths)
+    except (NotebookError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    print(f"notebooks/ is up to date with solutions/ ({len(paths.solution_files())} notebooks)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

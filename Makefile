@@ -52,7 +52,7 @@ notebooks: setup
 
 # Grade a class: make grade DIR=submissions/
 grade: setup
-	$(BIN)/python -m pytest --nbval-lax -p no:cacheprovider $(DIR)
+	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=600 -p no:cacheprovider -rf $(DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis test-artifacts

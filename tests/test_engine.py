@@ -7,6 +7,7 @@ preemption may change a single token.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -17,12 +18,17 @@ from labkit.model import load_model
 
 
 def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate``, one prompt at a time, ignoring EOS the way
+    ``ignore_eos`` does: EOS may be generated, it just does not stop generation. (HF's
+    ``min_new_tokens`` would instead forbid EOS, changing the tokens.)"""
+    config = copy.deepcopy(hf_model.generation_config)
+    config.update(eos_token_id=None, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
         with torch.no_grad():
-            y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            y = hf_model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
+        assert y.shape[1] == len(ids) + max_new_tokens
         outs.append(y[0, len(ids):].tolist())
     return outs
 

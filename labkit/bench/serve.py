@@ -22,6 +22,7 @@ default) generates 64 requests, prompts 16-512 tokens, outputs 16-256, seeded.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -113,10 +114,13 @@ def run_hf_static(w: dict, args) -> dict:
             p = r["prompt_token_ids"]
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        new = max(int(r["max_tokens"]) for r in batch)
+        config = copy.deepcopy(model.generation_config)
+        # EOS ignored as ignore_eos does: it may be generated, it does not stop the batch.
+        # (min_new_tokens would forbid it instead, and change the tokens.)
+        config.update(eos_token_id=None, max_new_tokens=max(int(r["max_tokens"]) for r in batch),
+                      do_sample=False, pad_token_id=pad)
         with torch.no_grad():
-            y = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False, pad_token_id=pad)
+            y = model.generate(ids, attention_mask=mask, generation_config=config)
         return [y[i, width:width + int(r["max_tokens"])].tolist() for i, r in enumerate(batch)]
 
     run_batch(reqs[:2])                       # warm-up

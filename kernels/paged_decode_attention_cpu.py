@@ -7,19 +7,19 @@ This kernel reads K and V *in place*, following the block table exactly as the T
 kernel does, and is compiled by Numba (``@njit(parallel=True)``): one task per
 sequence, spread over the CPU cores.
 
-Each task:
+Each task walks its sequence's blocks in order, as the GPU kernel walks its tiles:
 
-1. scores: for every context position ``t``, find its slot through the block table
-   (``block_tables[s, t // block_size]``, offset ``t % block_size``) and dot its keys with
-   the query heads (GQA: each KV head serves ``group`` query heads). The keys of all KV
-   heads of a token are one contiguous row of the block, so each row is read once, whole:
-   one task per sequence rather than per (sequence, KV head), which would read a third of
-   each row at a time and pay for the rest of the cache lines anyway;
-2. softmax over the scores (max-subtracted, in fp32);
-3. output: the probability-weighted sum of the values, read through the block table again.
+1. scores of the block's tokens against every query head (GQA: each KV head serves
+   ``group`` query heads). The keys of all KV heads of a token are one contiguous row of
+   the block, so each row is read once, whole: one task per sequence rather than per
+   (sequence, KV head), which would read a third of each row at a time and pay for the
+   rest of its cache lines anyway;
+2. online softmax: keep, per query head, the running maximum ``m``, the running
+   denominator and the running output; a block that raises the maximum first rescales
+   them by ``exp(m_old - m_new)`` (the FlashAttention update);
+3. add the block's values, weighted by ``exp(score - m)``; divide by the denominator at the end.
 
-Two passes over K then V, instead of the GPU kernel's one-pass online softmax: a CPU core
-keeps a whole row of scores in its cache, and the two-pass form has fewer exponentials.
+K and V are each read once, in place, and the block's scores never leave the L1 cache.
 Same signature as the reference; fp32 only (others fall back to the reference).
 """
 
@@ -59,42 +59,51 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out):
         for h in range(num_heads):
             for d in range(head_dim):
                 qs[h, d] = q[s, h, d] * scale
-        # 1. scores. A token's keys for all KV heads are one contiguous row of the block:
-        #    read it once, for every query head (GQA: group query heads per KV head).
-        scores = np.empty((num_heads, n), dtype=np.float32)
-        for t in range(n):
-            keys = k_cache[block_tables[s, t // block_size], t % block_size]   # [kv_heads, head_dim]
-            for kvh in range(num_kv_heads):
-                for g in range(group):
-                    h = kvh * group + g
-                    acc = np.float32(0.0)
-                    for d in range(head_dim):
-                        acc += qs[h, d] * keys[kvh, d]
-                    scores[h, t] = acc
-        # 2. softmax per query head
+        # Running max of the scores. A finite "minus infinity": fastmath lets the compiler
+        # assume there are no infinities, and exp(-1e30 - m) is 0 all the same.
+        m = np.full(num_heads, -1e30, dtype=np.float32)
+        total = np.zeros(num_heads, dtype=np.float32)         # running softmax denominator
+        acc = np.zeros((num_heads, head_dim), dtype=np.float32)
+        p = np.empty((num_heads, block_size), dtype=np.float32)
+        for b in range((n + block_size - 1) // block_size):
+            keys = k_cache[block_tables[s, b]]        # [block_size, kv_heads, head_dim]
+            values = v_cache[block_tables[s, b]]
+            used = min(block_size, n - b * block_size)
+            # 1. scores of this block; a token's keys for all KV heads are one contiguous row
+            for o in range(used):
+                for kvh in range(num_kv_heads):
+                    for g in range(group):
+                        h = kvh * group + g
+                        dot = np.float32(0.0)
+                        for d in range(head_dim):
+                            dot += qs[h, d] * keys[o, kvh, d]
+                        p[h, o] = dot
+            # 2. online softmax: a new maximum rescales what was accumulated so far
+            for h in range(num_heads):
+                m_new = m[h]
+                for o in range(used):
+                    m_new = max(m_new, p[h, o])
+                alpha = np.float32(math.exp(m[h] - m_new))
+                total[h] *= alpha
+                for d in range(head_dim):
+                    acc[h, d] *= alpha
+                for o in range(used):
+                    e = np.float32(math.exp(p[h, o] - m_new))
+                    p[h, o] = e
+                    total[h] += e
+                m[h] = m_new
+            # 3. accumulate the values, weighted by the unnormalised probabilities
+            for o in range(used):
+                for kvh in range(num_kv_heads):
+                    for g in range(group):
+                        h = kvh * group + g
+                        w = p[h, o]
+                        for d in range(head_dim):
+                            acc[h, d] += w * values[o, kvh, d]
         for h in range(num_heads):
-            m = scores[h].max()
-            total = np.float32(0.0)
-            for t in range(n):
-                e = np.float32(math.exp(scores[h, t] - m))
-                scores[h, t] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for t in range(n):
-                scores[h, t] *= inv
-        # 3. the probability-weighted sum of the values, each value row read once
-        acc_v = np.zeros((num_heads, head_dim), dtype=np.float32)
-        for t in range(n):
-            values = v_cache[block_tables[s, t // block_size], t % block_size]
-            for kvh in range(num_kv_heads):
-                for g in range(group):
-                    h = kvh * group + g
-                    p = scores[h, t]
-                    for d in range(head_dim):
-                        acc_v[h, d] += p * values[kvh, d]
-        for h in range(num_heads):
+            inv = np.float32(1.0) / total[h]
             for d in range(head_dim):
-                out[s, h, d] = acc_v[h, d]
+                out[s, h, d] = acc[h, d] * inv
 
 
 if HAS_NUMBA:

@@ -74,25 +74,21 @@ class BlockTable:
 
         Only whole blocks within the first ``max_tokens`` tokens are matched (the scheduler
         passes ``len(prompt) - 1``: the last prompt token must be computed to get logits).
-        Returns the number of tokens whose KV is reused; they need no compute.
+        Returns the number of tokens whose KV is reused; they need no compute. The table now
+        holds those blocks: a caller that then gives up on it must ``free()`` it.
         """
         self._check_live()
         if self.token_ids:
             raise ValueError("reuse_cached_prefix works on an empty block table only")
         if not self.allocator.enable_prefix_caching:
             return 0
-        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        parent, bs = ROOT_HASH, self.block_size
-        for start in range(0, limit - bs + 1, bs):
-            block = tuple(token_ids[start:start + bs])
-            block_hash = hash_block(parent, block)
+        for block_hash, parent, block in self._full_blocks(token_ids, max_tokens):
             block_id = self.allocator.lookup(block_hash, parent, block)
             if block_id is None:
                 break
             self.block_ids.append(block_id)
             self.block_hashes.append(block_hash)
             self.token_ids.extend(block)
-            parent = block_hash
         self.num_cached_tokens = len(self.token_ids)
         return self.num_cached_tokens
 
@@ -101,17 +97,24 @@ class BlockTable:
         (The scheduler uses it to count what admitting a request would cost.)"""
         if not self.allocator.enable_prefix_caching:
             return []
-        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        parent, bs, hits = ROOT_HASH, self.block_size, []
-        for start in range(0, limit - bs + 1, bs):
-            block = tuple(token_ids[start:start + bs])
-            block_hash = hash_block(parent, block)
+        hits = []
+        for block_hash, parent, block in self._full_blocks(token_ids, max_tokens):
             block_id = self.allocator.peek(block_hash, parent, block)
             if block_id is None:
                 break
             hits.append(block_id)
-            parent = block_hash
         return hits
+
+    def _full_blocks(self, token_ids: Sequence[int], max_tokens: int | None):
+        """Yield (hash, parent hash, tokens) of each full block within the first
+        ``max_tokens`` tokens, in order; the hashes chain as the prefix cache keys them."""
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        parent, bs = ROOT_HASH, self.block_size
+        for start in range(0, limit - bs + 1, bs):
+            block = tuple(token_ids[start:start + bs])
+            block_hash = hash_block(parent, block)
+            yield block_hash, parent, block
+            parent = block_hash
 
     # ---- growth ------------------------------------------------------------------
     def append_tokens(self, token_ids: Iterable[int], computed: bool = True) -> list[CopyOnWrite]:

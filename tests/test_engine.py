@@ -22,7 +22,7 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[l
     ``ignore_eos`` does: EOS may be generated, it just does not stop generation. (HF's
     ``min_new_tokens`` would instead forbid EOS, changing the tokens.)"""
     config = copy.deepcopy(hf_model.generation_config)
-    config.update(eos_token_id=None, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    config.update(eos_token_id=[], max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
@@ -152,6 +152,12 @@ QUESTIONS = [
     "Name a famous physicist and one discovery of theirs.", "How do vaccines work?",
     "Write two lines of a poem about the sea, then explain the imagery you used in detail.",
     "What is a block table?",
+    "Read this and answer in one sentence. A serving engine keeps the keys and values of every "
+    "token it has seen in a cache, split into blocks of sixteen tokens. Each request has a block "
+    "table that maps its logical blocks to physical ones, so a request can grow one block at a "
+    "time and finished requests give their blocks back at once. Requests that share a system "
+    "prompt share its blocks, and a block is copied only when one of them must write into it. "
+    "Question: why does paging waste less memory than reserving the maximum length up front?",
 ]
 
 
@@ -184,7 +190,7 @@ SMOL_CONFIGS = {
 @pytest.mark.parametrize("name", SMOL_CONFIGS)
 def test_smollm2_greedy_equals_hf(smol, name):
     lens = sorted(len(p) for p in smol["prompts"])
-    assert lens[0] < 40 and lens[-1] > 60, "the prompts should be of mixed lengths"
+    assert len(lens) >= 16 and lens[0] < 40 and lens[-1] > 100, "the prompts should be of mixed lengths"
     llm = LLM(smol["loaded"].path or "smollm2-135m", num_blocks=SMOL_CONFIGS[name].get("num_blocks", 512),
               **{k: v for k, v in SMOL_CONFIGS[name].items() if k != "num_blocks"})
     outs = llm.generate(smol["prompts"], greedy(SMOL_NEW), use_tqdm=False)

@@ -13,6 +13,7 @@ sequence owns is NaN, so a kernel that reads past a context length or follows an
 table entry poisons its output.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -399,7 +400,8 @@ except RuntimeError as err:
 """
     result = _run_python(code)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:3] == ["torch", "(1, 2, 16)", "refused: True"]
+    auto = "cpu" if importlib.util.find_spec("numba") else "torch"   # the CPU kernels need no Triton
+    assert result.stdout.split("\n")[:3] == [auto, "(1, 2, 16)", "refused: True"]
 
 
 def test_compiled_kernels_on_cpu_are_refused_with_the_fix():

@@ -117,7 +117,7 @@ def run_hf_static(w: dict, args) -> dict:
         config = copy.deepcopy(model.generation_config)
         # EOS ignored as ignore_eos does: it may be generated, it does not stop the batch.
         # (min_new_tokens would forbid it instead, and change the tokens.)
-        config.update(eos_token_id=None, max_new_tokens=max(int(r["max_tokens"]) for r in batch),
+        config.update(eos_token_id=[], max_new_tokens=max(int(r["max_tokens"]) for r in batch),
                       do_sample=False, pad_token_id=pad)
         with torch.no_grad():
             y = model.generate(ids, attention_mask=mask, generation_config=config)

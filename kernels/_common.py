@@ -238,7 +238,9 @@ def _cpu_workspace(like: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.
     buffers = getattr(_workspaces, "buffers", None)
     if buffers is None:
         buffers = _workspaces.buffers = {}
-    key = (like.dtype, like.device)
+    # A buffer made inside torch.inference_mode (the engine runs there) is an inference
+    # tensor, which may not be written outside it: keep one set per mode.
+    key = (like.dtype, like.device, torch.is_inference_mode_enabled())
     if key not in buffers or buffers[key][0].numel() < numel:
         buffers[key] = (torch.empty(numel, dtype=like.dtype, device=like.device),
                         torch.empty(numel, dtype=like.dtype, device=like.device))

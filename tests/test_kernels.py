@@ -427,3 +427,13 @@ def test_bench_cpu_smoke(capsys):
     from labkit.bench.kernels import main
     assert main(["--ref-cpu", "--batch", "2", "--context", "64", "--repeats", "2"]) == 0
     assert "ms" in capsys.readouterr().out
+
+
+def test_references_work_inside_and_outside_inference_mode():
+    # The engine runs under torch.inference_mode; the CPU workspace a reference caches there
+    # must not break a later call outside it (inference tensors cannot be written outside).
+    q, k_cache, v_cache, tables, lens = make_decode_batch(16, 4, 2, 16, [5, 17])
+    with torch.inference_mode():
+        inside = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
+    outside = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
+    torch.testing.assert_close(inside, outside)

@@ -66,10 +66,12 @@ class LinearCostModel:
     decode token reads its whole context for one query (memory-bound, dear per key).
     """
 
-    fixed_s: float = 0.025
-    per_token_s: float = 0.0008
-    per_prefill_context_token_s: float = 1.1e-6
-    per_decode_context_token_s: float = 4.0e-6
+    # Fitted by ``python -m labkit.bench sim --calibrate`` to labkit serving SmolLM2-135M in
+    # fp32 on the 2-core development CPU (CPU attention backend), 2026-11-29.
+    fixed_s: float = 0.033
+    per_token_s: float = 0.00089
+    per_prefill_context_token_s: float = 0.9e-6
+    per_decode_context_token_s: float = 6.3e-6
     name: str = "cpu-smollm2-135m-fp32"
 
     def iteration_time(self, shape: BatchShape) -> float:

@@ -21,8 +21,9 @@ STAMP  := $(VENV)/.labkit-$(EXTRAS)
 help:
 	@sed -n '2,9p' Makefile
 
+# --allow-root only when run as root (containers, CI machines): Jupyter refuses root otherwise.
 lab: setup model
-	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT)
+	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 test: setup model browser
 	$(BIN)/python -m pytest

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from .detokenizer import IncrementalDetokenizer
 from .request import Request, Sequence, Status
@@ -128,7 +128,7 @@ class Engine:
             self.records.append(self.scheduler.make_record(plan, finished, start, end - start))
         return finished
 
-    def run(self, requests: Iterable[Request] | None = None) -> None:
+    def run(self) -> None:
         """Step until every queued request has finished."""
         while self.scheduler.has_unfinished:
             self.step()

@@ -112,7 +112,6 @@ def summarize(result: SimResult) -> dict:
     latency = [r.finish_time - r.arrival_time for r in reqs if r.finish_time is not None]
     tpot = [(r.finish_time - r.first_token_time) / (r.seqs[0].num_output_tokens - 1)
             for r in reqs if r.finish_time is not None and r.seqs[0].num_output_tokens > 1]
-    busy = [rec for rec in recs]
     return {
         "policy": engine.scheduler.policy,
         "requests": len(reqs),
@@ -123,8 +122,8 @@ def summarize(result: SimResult) -> dict:
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
         "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
-        "kv_utilization_mean": sum(r.kv_utilization for r in busy) / len(busy) if busy else float("nan"),
-        "peak_running": max((r.num_running + len(r.finished) for r in busy), default=0),
+        "kv_utilization_mean": sum(r.kv_utilization for r in recs) / len(recs) if recs else float("nan"),
+        "peak_running": max((r.num_running + len(r.finished) for r in recs), default=0),
         "num_preemptions": engine.scheduler.num_preemptions,
         "leaked_blocks": alloc.num_used_blocks,
         "steps": engine.num_steps,

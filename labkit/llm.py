@@ -30,6 +30,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, StaticScheduler
+from .utils import progress_bar
 
 Prompt = str | list[int]
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -102,7 +103,7 @@ class LLM:
         """
         requests = self._submit(prompts, sampling_params)
         live = [r for r in requests if isinstance(r, Request)]
-        bar = _progress_bar(len(live), use_tqdm and len(live) > 1)
+        bar = progress_bar(len(live), use_tqdm and len(live) > 1)
         remaining = {r.request_id for r in live}
         while remaining:
             done = self.engine.step()
@@ -255,11 +256,3 @@ def _available_memory(device) -> int | None:
     return None
 
 
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)

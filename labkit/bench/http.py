@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from ..utils import percentile
+
 
 @dataclass
 class Sample:
@@ -51,15 +53,6 @@ class Sample:
         return (self.done - self.first) / (self.tokens - 1)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def _check_loopback(url: str) -> None:
@@ -136,8 +129,9 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, p
     }
 
 
-def _ms(x: float | None) -> float | None:
-    return None if x is None else x * 1e3
+def _ms(x: float) -> float | None:
+    """Seconds to milliseconds; None (JSON null) where there was nothing to measure."""
+    return None if x != x else x * 1e3
 
 
 def _server_info(url: str) -> tuple[str, int, int]:

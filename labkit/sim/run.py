@@ -7,7 +7,6 @@ releases each request at its arrival time on the simulated clock, and measures.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 from ..engine import Engine
@@ -15,21 +14,11 @@ from ..memory import BlockAllocator
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..scheduler import Scheduler, StaticScheduler, StepRecord
+from ..utils import percentile, progress_bar
 from .executor import SimExecutor
 from .traces import TraceRequest
 
 POLICIES = ("continuous", "static")
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between order statistics; nan when empty."""
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 @dataclass
@@ -73,7 +62,7 @@ def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_siz
 
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     requests: list[Request] = []
-    bar = _progress(len(trace), progress, f"sim {policy}")
+    bar = progress_bar(len(trace), progress, f"sim {policy}")
     nxt = 0
     if on_step is not None:
         on_step(engine)
@@ -131,11 +120,3 @@ def summarize(result: SimResult) -> dict:
     }
 
 
-def _progress(total: int, enabled: bool, desc: str):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, file=sys.stderr, unit="req")

@@ -1,44 +1,81 @@
-# labkit: the two commands of the README, and what they stand on.
+# labkit: the commands of the README, and what they stand on.
 #
-#   make lab    set everything up, then open the lab (JupyterLab on notebooks/)
+#   make lab    set everything up, then open the lab: JupyterLab on chapter 00 (PORT=8888)
 #   make test   set everything up, then run the whole test suite
+#   make dist   build the wheel an instructor hosts for Colab (dist/labkit-VERSION-py3-none-any.whl)
 #
-# Everything installs into .venv from the project's own files. torch is installed first,
-# as the CPU build pinned below, so that the dependency list never pulls a multi-GB CUDA
-# build by accident; on a GPU machine run `make TORCH=torch setup` (or install the torch
-# you want into .venv first: an importable torch is never replaced).
+# Everything installs into .venv from the project's own files, or into the active conda
+# environment when it is environment.yml's `labkit` (or VENV=$CONDA_PREFIX). An importable
+# torch is never replaced (Colab, a GPU box, your own build). Without one, torch comes from
+# PyTorch's CPU wheel index first, so that no multi-GB CUDA build is pulled by accident; when
+# that index cannot be reached, from pip's default index, saying so. For a GPU:
+# make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or install torch into .venv first).
 
-PYTHON ?= python3
-VENV   ?= .venv
-TORCH  ?= torch==2.13.0
-EXTRAS ?= lab,serve,test
-PORT   ?= 8888
-BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.labkit-$(EXTRAS)
+PYTHON      ?= python3
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+EXTRAS      ?= lab,serve,test
+PORT        ?= 8888
+NOTEBOOKS   ?= notebooks
+LAB_OPTS    ?=
+ifeq ($(origin VENV)$(CONDA_DEFAULT_ENV),undefinedlabkit)
+VENV        := $(CONDA_PREFIX)
+$(info labkit: using the active conda environment labkit, $(CONDA_PREFIX))
+endif
+VENV        ?= .venv
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.labkit-$(EXTRAS)
 
-.PHONY: lab test setup model browser notebooks grade bench-sim clean help
+.PHONY: lab test setup model browser notebooks grade dist bench-sim clean help
 
 help:
-	@sed -n '2,9p' Makefile
+	@sed -n '1,/^$$/p' Makefile | sed 's/^# \{0,1\}//'
 
-# --allow-root only when run as root (containers, CI machines): Jupyter refuses root otherwise.
+# JupyterLab on chapter 00, configured by .jupyter/ (no news pop-up; notebooks open unmodified);
+# your own ~/.jupyter still applies. --allow-root only as root (containers): Jupyter refuses it otherwise.
 lab: setup model
-	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) $$([ "$$(id -u)" = 0 ] && echo --allow-root)
+	JUPYTER_CONFIG_PATH="$(CURDIR)/.jupyter$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" \
+	$(BIN)/jupyter lab --notebook-dir="$(NOTEBOOKS)" --port=$(PORT) \
+	  --LabApp.default_url=/lab/tree/00_setup_and_tour.ipynb \
+	  $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_OPTS)
 
 test: setup model browser
 	$(BIN)/python -m pytest
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || { \
+	  echo "labkit needs Python 3.10 or newer; '$(PYTHON)' is not. Run e.g.: make PYTHON=python3.11 $(MAKECMDGOALS)" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  echo "keeping the installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	elif $(BIN)/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" \
+	     "$(TORCH_INDEX)/torch/" 2>/dev/null; then \
+	  echo "installing $(TORCH) from $(TORCH_INDEX)"; \
+	  $(BIN)/python -m pip install --timeout 30 --index-url "$(TORCH_INDEX)" "$(TORCH)"; \
+	else \
+	  echo "labkit: cannot reach $(TORCH_INDEX) (offline, or blocked here)."; \
+	  echo "labkit: installing $(TORCH) from pip's default index instead. A CPU wheel on a local"; \
+	  echo "        mirror or in pip's find-links is taken if there is one; otherwise, on Linux x86_64,"; \
+	  echo "        PyPI's torch is the CUDA build (several GB of nvidia-* wheels)."; \
+	  $(BIN)/python -m pip install "$(TORCH)"; \
+	fi
 	$(BIN)/python -m pip install -e ".[$(EXTRAS)]"
 	@touch $@
 
 # The default model (SmolLM2-135M-Instruct) into the labkit cache; no hub needed.
 model: setup
 	$(BIN)/python -m labkit.model.loader fetch
+
+# The wheel an instructor hosts (or uploads to Colab): labkit and its kernels, not its dependencies.
+DIST ?= dist
+dist: | $(BIN)/python
+	rm -rf build "$(DIST)"/labkit-*.whl       # build/: setuptools would pack stale modules from it
+	$(BIN)/python -m pip wheel --no-deps --wheel-dir "$(DIST)" .
+	@ls "$(DIST)"/labkit-*.whl
 
 # Chromium for the browser tests (Debian's package: browser downloads do not work offline).
 browser:
@@ -51,9 +88,18 @@ browser:
 notebooks: setup
 	$(BIN)/python -m labkit.notebooks generate
 
-# Grade a class: make grade DIR=submissions/
+# Grade a class into a gradebook (docs/grading.md):
+#   make grade DIR=submissions/ [GRADES=grades.csv] [REPORT=report.html] [JOBS=N] [CELL_TIMEOUT=300]
+# (JOBS: notebooks at a time; default the number of cores, up to 4)
+GRADES       ?= grades.csv
+REPORT       ?= report.html
+JOBS         ?=
+CELL_TIMEOUT ?= 300
 grade: setup
-	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=600 -p no:cacheprovider -rf $(DIR)
+	@test -n "$(DIR)" || { echo "usage: make grade DIR=submissions/ [GRADES=grades.csv] [REPORT=report.html] [JOBS=N] [CELL_TIMEOUT=S]" >&2; exit 2; }
+	$(BIN)/python -m labkit.grade "$(DIR)" --out "$(GRADES)" --html "$(REPORT)" $(if $(JOBS),--jobs $(JOBS)) --timeout $(CELL_TIMEOUT)
 
+# A conda environment is never removed here (conda env remove -n labkit).
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis test-artifacts
+	rm -rf .pytest_cache .hypothesis test-artifacts build dist
+	@if [ -d "$(VENV)/conda-meta" ]; then echo "keeping the conda environment $(VENV)"; else rm -rf "$(VENV)"; fi

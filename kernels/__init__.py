@@ -11,6 +11,12 @@ Read in this order; each file stands on its own (kernel, torch reference, launch
 The KV cache of a layer is ``k_cache``, ``v_cache``: [num_blocks, block_size, num_kv_heads,
 head_dim]; a token's slot is ``block_id * block_size + offset``.
 
+Every function checks its arguments before any kernel runs (the kernels themselves index
+without bounds checks): a block id or slot outside the cache, a context longer than its
+block-table row, a wrong shape, dtype or device is a ``ValueError`` that names it.
+``index_tensors_checked`` lets a model check one step's index tensors once for all its
+layers instead of once per call.
+
 Import-time contract:
 
 * ``import labkit.kernels`` never touches a GPU (``torch.cuda.is_available()`` creates no
@@ -30,7 +36,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ._common import HAS_TRITON  # noqa: E402
+from ._common import HAS_TRITON, index_tensors_checked  # noqa: E402
 from .backend import (  # noqa: E402
     BACKENDS,
     AttentionOps,
@@ -48,6 +54,7 @@ __all__ = [
     "BACKENDS",
     "HAS_TRITON",
     "get_attention_ops",
+    "index_tensors_checked",
     "paged_decode_attention",
     "paged_decode_attention_cpu",
     "paged_decode_attention_ref",

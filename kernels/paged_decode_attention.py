@@ -29,7 +29,12 @@ What one program computes (grid = sequences x KV heads):
 
 ``paged_decode_attention_ref`` is the torch reference with the same signature: gather each
 sequence's blocks into a dense padded tensor, then one masked
-``scaled_dot_product_attention``. It is also the engine's CPU attention backend.
+``scaled_dot_product_attention``. It is the ``"torch"`` backend's decode, and the fallback
+of the CPU kernel (``paged_decode_attention_cpu.py``) for dtypes other than fp32.
+
+Every entry point checks its arguments first (``_common.check_attention_inputs``): the
+kernel itself trusts them, and a block id past the cache would make it read memory it
+does not own.
 """
 
 import torch
@@ -173,6 +178,13 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     cache-sized chunks of sequences). No Python loop over sequences or tokens.
     """
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """The reference's computation, for callers that have already checked the arguments."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     q_pos = (context_lens.long() - 1)[:, None]  # the new token is the sequence's last

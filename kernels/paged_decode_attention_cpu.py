@@ -21,6 +21,13 @@ Each task walks its sequence's blocks in order, as the GPU kernel walks its tile
 
 K and V are each read once, in place, and the block's scores never leave the L1 cache.
 Same signature as the reference; fp32 only (others fall back to the reference).
+
+The loop is compiled without bounds checks (``boundscheck=False``: a check per load would
+cost more than the load). So the arguments are checked once per call, before it runs,
+with the reference's checks (``_common.check_attention_inputs``): shapes, dtypes,
+devices, every context length against its table row, every block id a sequence uses
+against the cache. A bad block id is a ``ValueError`` that names it, not a segfault or
+a silent read of another sequence's memory.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import os
 import numpy as np
 import torch
 
-from .paged_decode_attention import paged_decode_attention_ref
+from ._common import check_attention_inputs
+from .paged_decode_attention import decode_attention_torch
 
 try:
     import numba
@@ -116,10 +124,11 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
     """Decode attention over the paged cache, read in place (same contract as the reference)."""
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)  # the loop trusts them
     usable = (HAS_NUMBA and q.device.type == "cpu" and q.dtype == torch.float32
-              and k_cache.dtype == torch.float32 and v_cache.dtype == torch.float32)
+              and k_cache.dtype == torch.float32)
     if not usable:
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     out = torch.empty(q.shape, dtype=torch.float32)

@@ -114,12 +114,6 @@ def _paged_prefill_kernel(
     tl.store(out_ptr + o_rows + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _check_query_start_loc(context_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
-    if query_start_loc.shape != (context_lens.shape[0] + 1,) or query_start_loc.dtype.is_floating_point:
-        raise ValueError("query_start_loc must be an integer [num_seqs + 1] tensor of cumulative "
-                         f"chunk lengths, got {tuple(query_start_loc.shape)}")
-
-
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
@@ -132,8 +126,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     chunk (so >= the chunk length); query_start_loc [num_seqs + 1] int32.
     Returns ``out`` shaped like ``q``.
     """
-    group = check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    _check_query_start_loc(context_lens, query_start_loc)
+    group = check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     check_triton_launch(_paged_prefill_kernel, q, k_cache, v_cache, block_tables, context_lens,
                         query_start_loc)
     if q.dtype != k_cache.dtype:
@@ -177,8 +170,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     grouped by (ceil log2 chunk length, ceil log2 context length): within a group padding
     at most doubles each side. The loop runs over these few groups, not over sequences.
     """
-    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    _check_query_start_loc(context_lens, query_start_loc)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out

@@ -14,7 +14,8 @@ number per token, its *slot*:
 so token ``i`` is copied to ``k_cache[slot // block_size, slot % block_size]``. The name
 (vLLM's) says what happens: a [num_tokens, kv_heads, head_dim] tensor is scattered
 ("reshaped") into blocks. Slots of one call must be distinct. Slot -1 marks padding
-tokens (or tokens whose cache entry already exists) and is skipped.
+tokens (or tokens whose cache entry already exists) and is skipped. Both functions check
+every slot against the cache first: the kernel's stores are not bounds-checked.
 
 Layout: ``reshape_and_cache`` is the Triton kernel's wrapper, ``reshape_and_cache_ref``
 the torch reference with the same signature; tests compare them.
@@ -22,7 +23,16 @@ the torch reference with the same signature; tests compare them.
 
 import torch
 
-from ._common import check_kv_cache, check_triton_launch, next_power_of_2, tl, triton
+from ._common import (
+    INDEX_DTYPES,
+    check_kv_cache,
+    check_on_cache_device,
+    check_slot_mapping,
+    check_triton_launch,
+    next_power_of_2,
+    tl,
+    triton,
+)
 
 
 @triton.jit
@@ -58,13 +68,21 @@ def _reshape_and_cache_kernel(
 
 def _check(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _, _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    """Shapes, dtypes and devices, then every slot against the cache (one host sync): the
+    Triton kernel stores without bounds checks, so a slot past the cache would overwrite
+    memory that is not the cache's."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in INDEX_DTYPES:
+        raise ValueError(f"slot_mapping must be a 1-d int32 or int64 tensor, got {slot_mapping.dtype} "
+                         f"of shape {tuple(slot_mapping.shape)}")
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     if key.shape != expected or value.shape != expected:
         raise ValueError(f"key and value must be {expected} (num_tokens, num_kv_heads, head_dim), "
                          f"got {tuple(key.shape)} and {tuple(value.shape)}")
-    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError("slot_mapping must be a 1-d int32 or int64 tensor")
+    if not (key.dtype.is_floating_point and value.dtype.is_floating_point):
+        raise ValueError(f"key and value must be floating-point tensors, got {key.dtype} and {value.dtype}")
+    check_on_cache_device(k_cache, key=key, value=value, slot_mapping=slot_mapping)
+    check_slot_mapping(slot_mapping, num_blocks * block_size)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

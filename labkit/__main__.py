@@ -4,6 +4,9 @@
     python -m labkit serve --model tiny-llama --port 0      # a free port; the address is printed
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
+
+    # a class: one key per student, on the room's network (docs/classroom.md)
+    python -m labkit serve --host 0.0.0.0 --api-keys-file keys.txt --max-tokens-limit 256
 """
 
 from __future__ import annotations
@@ -11,12 +14,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .server.limits import DEFAULT_MAX_BODY_BYTES
+
+_CLASS_HELP = """\
+A server a class shares: give each student a key (keys file: 'name:key' per line) and listen
+on the room's network. Without a key, an address other than loopback is refused.
+/metrics then counts requests, tokens and 401/429 rejections per key name."""
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m labkit", description="labkit: a small, real LLM server.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       description="Serve a model over an OpenAI-compatible HTTP API (loopback by default).")
+                       description="Serve a model over an OpenAI-compatible HTTP API (loopback by default).",
+                       epilog=_CLASS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny-llama, or an HF path/dir")
     s.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
@@ -28,14 +39,70 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one iteration")
     e.add_argument("--max-model-len", type=int, default=None, help="most tokens per sequence (prompt + output)")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    e.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    e.add_argument("--attention-backend", default="auto", choices=_backends(),
+                   help="auto (default): Triton on a GPU of compute capability 8.0+, the CPU kernels on a CPU")
     e.add_argument("--dtype", default="float32", help="float32 (default), float16, bfloat16")
     e.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for their first iteration before new ones get 429 (-1: no bound)")
     e.add_argument("--step-delay", type=float, default=0.0,
                    help="pause after each iteration in seconds (a teaching knob: watch a tiny model work)")
+    a = s.add_argument_group("access (a shared server)")
+    a.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept this key ('key' or 'name:key'); repeatable. Also read: $LABKIT_API_KEY "
+                        "(comma-separated)")
+    a.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="accept the keys in FILE: one 'key' or 'name:key' per line, '#' comments")
+    a.add_argument("--allow-unauthenticated", action="store_true",
+                   help="listen on a non-loopback address without any key (anyone who reaches it may use it)")
+    a.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without a key even when keys are set (default: it needs one)")
+    f = s.add_argument_group("limits per client")
+    f.add_argument("--max-concurrent-per-key", type=int, default=None, metavar="N",
+                   help="most sequences one key (without keys: one client address) may have running or "
+                        "waiting; beyond, 429 at once, and requests enter the engine round-robin across "
+                        "keys. Default: max_num_seqs // 8 when keys are set or the host is not loopback, "
+                        "else none; 0: none")
+    f.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
+                   help="most tokens one request may ask for (a larger max_tokens gets 400; chat requests "
+                        "without max_tokens get N). Default: the model's context")
+    f.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help=f"largest request body (413 beyond; default {DEFAULT_MAX_BODY_BYTES})")
+    f.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a connection may take to send a request head (slowloris; default 10)")
+    f.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a request body may take to arrive (default 30)")
+    f.add_argument("--stall-timeout", type=float, default=15.0, metavar="S",
+                   help="seconds a client may read nothing of a response before it is cut and its request "
+                        "aborted (default 15)")
+    f.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="most open connections (503 beyond; default: no bound)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
+
+
+def _backends() -> tuple[str, ...]:
+    from .kernels.backend import BACKENDS
+    return BACKENDS
+
+
+def _access(args) -> tuple:
+    """The key ring and limits the options ask for; ValueError names a bad option."""
+    from .server.auth import load_keys
+    from .server.background import check_exposure, is_loopback
+    from .server.limits import Limits, default_max_concurrent_per_key
+    keys = load_keys(args.api_key, args.api_keys_file)
+    check_exposure(args.host, keys, args.allow_unauthenticated)
+    cap = args.max_concurrent_per_key
+    if cap is None:
+        shared = bool(keys) or not is_loopback(args.host)
+        cap = default_max_concurrent_per_key(args.max_num_seqs) if shared else 0
+    if cap < 0:
+        raise ValueError(f"--max-concurrent-per-key must be >= 0 (0: no cap), got {cap}")
+    limits = Limits(max_concurrent_per_key=cap or None, max_tokens=args.max_tokens_limit,
+                    max_body_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
+                    body_timeout_s=args.body_timeout, stall_timeout_s=args.stall_timeout,
+                    max_connections=args.max_connections, metrics_public=args.metrics_public)
+    return keys, limits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     from .server import AsyncEngine
     from .server.background import serve
     try:
+        keys, limits = _access(args)           # before loading a model: fail fast
+    except ValueError as e:
+        print(f"labkit serve: {e}", file=sys.stderr)
+        return 2
+    try:
         engine = AsyncEngine(
             model=args.model, num_blocks=args.num_blocks, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -63,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"labkit serve: {e}", file=sys.stderr)
         return 2
     try:
-        serve(engine, args.host, args.port, args.served_model_name, args.log_level)
+        serve(engine, args.host, args.port, args.served_model_name, args.log_level, keys, limits,
+              args.allow_unauthenticated)
     except KeyboardInterrupt:          # Ctrl-C: uvicorn has shut down cleanly, then re-raised it
         pass
     finally:

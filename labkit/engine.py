@@ -6,9 +6,10 @@ Only the executor differs, so the notebooks' animations, the simulator's long tr
 real generation all go through the same scheduler and block manager.
 
 An executor has one method, ``execute(plan) -> ExecuteResult``, and two attributes:
-``simulated`` (whether its durations are modelled rather than measured). Given a
-tokenizer, the engine also turns tokens into text as they arrive and stops sequences at
-their stop strings, in the same iteration.
+``simulated`` (whether its durations are modelled rather than measured) and
+``vocab_size`` (token ids a prompt may hold). Given a tokenizer, the engine also turns
+tokens into text as they arrive and stops sequences at their stop strings, in the same
+iteration. Requests and sequences retire in one place, ``Scheduler.finish_sequence``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Protocol
 from .detokenizer import IncrementalDetokenizer
 from .request import Request, Sequence, Status
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput, StepRecord
+from .scheduler import Scheduler, SchedulerOutput, StepRecord, held_slot_fill, kv_cache_usage
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class ExecuteResult:
 
 class Executor(Protocol):
     simulated: bool
+    vocab_size: int
 
     def execute(self, plan: SchedulerOutput) -> ExecuteResult: ...
 
@@ -80,8 +82,17 @@ class Engine:
                     request_id: str | None = None, arrival_time: float | None = None,
                     prompt: str | None = None) -> Request:
         """Queue a request; it joins the batch at the next iteration with room for it.
-        Raises ``ValueError`` (changing nothing) if it can never be served."""
+        Raises ``ValueError`` (changing nothing) if it can never be served: bad sampling
+        parameters, token ids outside the vocabulary, a prompt too long for the model or
+        the KV cache."""
         params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        params.validate()
+        vocab = self.executor.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids out of range [0, {vocab}): {bad[:5]}")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params,
@@ -90,12 +101,9 @@ class Engine:
         return request
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks now."""
-        request = self.scheduler.requests.get(request_id)
-        done = self.scheduler.abort(request_id)
-        if done and request is not None:
-            request.finish_time = self.now
-        return done
+        """Stop a request and free its blocks now (its finished samples keep their finish
+        reason). Returns False when no unfinished request has that id."""
+        return self.scheduler.abort(request_id, self.now)
 
     @property
     def has_unfinished(self) -> bool:
@@ -103,7 +111,9 @@ class Engine:
 
     # ---- one iteration -----------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one iteration. Returns the requests that finished in it."""
+        """Run one iteration. Returns the requests that finished in it. Raises
+        ``RuntimeError`` when requests are unfinished yet nothing could be scheduled (a
+        scheduler bug: nothing would ever change, and a caller's loop would hang)."""
         start = self.now
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(start)
@@ -111,15 +121,23 @@ class Engine:
         self.last_plan = plan
         if plan.is_empty:
             self.deltas.clear()
+            if self.scheduler.has_unfinished:
+                # Nothing will change by itself: stepping again would spin forever.
+                raise RuntimeError(
+                    f"the scheduler planned nothing while {len(self.scheduler.requests)} requests are "
+                    f"unfinished ({self.scheduler.num_running} running, {self.scheduler.num_waiting} "
+                    "waiting): a scheduling bug, reported instead of hanging")
             return []
         result = self.executor.execute(plan)
         t2 = time.perf_counter()
         if self.executor.simulated:
             self._sim_now += result.duration_s
         end = self.now
-        finished = self.scheduler.update(plan, result.sampled, end)
-        if self.tokenizer is not None:
-            finished += self._detokenize(plan, end)
+        if self.tokenizer is None:
+            finished = self.scheduler.update(plan, result.sampled, end)
+        else:
+            finished = self.scheduler.update(plan, result.sampled, end, self._detokenize)
+            self._collect_deltas(plan)
         t3 = time.perf_counter()
         self.schedule_s += (t1 - t0) + (t3 - t2)
         self.busy_s += end - start
@@ -133,46 +151,39 @@ class Engine:
         while self.scheduler.has_unfinished:
             self.step()
 
-    def _detokenize(self, plan: SchedulerOutput, now: float) -> list[Request]:
-        """Extend each sampled sequence's text; finish the ones that produced a stop string
-        (the text is cut before it, as vLLM does). Returns requests that finished so.
+    def _detokenize(self, seq: Sequence) -> bool:
+        """Extend ``seq``'s text with its new tokens; True if it now holds a stop string
+        (the text is cut before it, as vLLM does). The scheduler asks this in ``update``,
+        so a stop string ends the sequence there, with the one finish reason it gets."""
+        detok = self._detok.get(seq.seq_id)
+        if detok is None:
+            detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
+        before = len(detok.text)
+        detok.add(seq.output_token_ids[len(detok.token_ids):])
+        params = seq.request.params
+        if not params.stop or seq.num_output_tokens < params.min_tokens:
+            return False
+        return self._cut_at_stop(detok, before, params.stop)
 
-        ``deltas`` gets the text each sequence gained in this iteration. Text that might
-        still turn out to begin a stop string is held back until it cannot, so a stream
-        never shows characters that the stop later cuts.
-        """
+    def _collect_deltas(self, plan: SchedulerOutput) -> None:
+        """``deltas``: the text each sampled sequence gained in this iteration. Text that
+        might still turn out to begin a stop string is held back until it cannot, so a
+        stream never shows characters that the stop later cuts."""
         self.deltas.clear()
-        finished = []
         for item in plan.scheduled:
-            if item.num_samples == 0:
-                continue
-            request = item.seq.request
-            stops = request.params.stop
-            # At a fork, every sequence of the request got its first token in this iteration.
-            targets = request.seqs if item.num_samples > 1 else (item.seq,)
-            for seq in targets:
-                detok = self._detok.get(seq.seq_id)
+            seqs = item.seq.request.seqs
+            stops = item.seq.request.params.stop
+            for index in item.sample_indices:
+                detok = self._detok.get(seqs[index].seq_id) if index < len(seqs) else None
                 if detok is None:
-                    detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
-                before = len(detok.text)
-                detok.add(seq.output_token_ids[len(detok.token_ids):])
-                hit = bool(stops) and self._cut_at_stop(detok, before, stops)
-                if hit:
-                    if seq.status is Status.RUNNING:
-                        self.scheduler.finish_sequence(seq, "stop")
-                    else:
-                        seq.finish_reason = "stop"
-                    if request.finished and request.request_id in self.scheduler.requests:
-                        del self.scheduler.requests[request.request_id]
-                        request.finish_time = now
-                        finished.append(request)
+                    continue                  # aborted while the batch ran: never sampled
+                seq = seqs[index]
                 shown = self._shown.get(seq.seq_id, 0)
                 end = len(detok.text)
                 if stops and seq.status is not Status.FINISHED:
                     end -= _stop_prefix_len(detok.text, stops)
                 self.deltas[seq.seq_id] = detok.text[shown:end]
                 self._shown[seq.seq_id] = max(shown, end)
-        return finished
 
     @staticmethod
     def _cut_at_stop(detok: IncrementalDetokenizer, before: int, stops: list[str]) -> bool:
@@ -196,8 +207,14 @@ class Engine:
             self.deltas.pop(seq.seq_id, None)
             self._shown.pop(seq.seq_id, None)
 
+    @property
+    def num_tracked_sequences(self) -> int:
+        """Sequences whose text the engine still keeps (0 once every request was released)."""
+        return len(self._detok.keys() | self._shown.keys())
+
     # ---- numbers for notebooks and benchmarks --------------------------------------
     def stats(self) -> dict:
+        """The engine's and the KV cache's numbers now; ``docs/stats.md`` defines each key."""
         s, a = self.scheduler, self.scheduler.allocator
         return {
             "policy": s.policy,
@@ -208,7 +225,8 @@ class Engine:
             "num_cached_free_blocks": a.num_cached_free_blocks,
             "num_total_blocks": a.num_blocks,
             "block_size": a.block_size,
-            "kv_utilization": a.kv_utilization,
+            "kv_cache_usage": kv_cache_usage(a),
+            "held_slot_fill": held_slot_fill(a),
             "prefix_cache_hit_rate": a.prefix_cache_hit_rate,
             "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
             "num_preemptions": s.num_preemptions,

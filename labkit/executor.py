@@ -2,7 +2,7 @@
 
 ``ModelExecutor`` is what the engine calls every iteration when it serves a model. It
 turns each ``ScheduledSeq`` into a ``SeqChunk`` (tokens to compute, first position,
-the sequence's physical blocks), lets the ``ModelRunner`` apply the copy-on-write copies
+the sequence's physical blocks, prefill or decode as the scheduler decided), lets the ``ModelRunner`` apply the copy-on-write copies
 and run one forward over the whole mixed batch, and samples from the logits of the
 sequences whose chunk ends their known tokens (``n`` samples at a fork).
 
@@ -36,10 +36,12 @@ class ModelExecutor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.tokenizer = runner.tokenizer
+        self.vocab_size = runner.vocab_size
 
     def execute(self, plan: SchedulerOutput) -> ExecuteResult:
         t0 = time.perf_counter()
-        chunks = [SeqChunk(item.token_ids, item.start, item.seq.block_table.block_ids, item.num_samples > 0)
+        chunks = [SeqChunk(item.token_ids, item.num_computed_tokens, item.seq.block_table.block_ids,
+                           item.num_samples > 0, item.is_prefill)
                   for item in plan.scheduled]
         logits = self.runner.execute(chunks, plan.copies)
         rows: list[SamplingRow] = []
@@ -49,13 +51,10 @@ class ModelExecutor:
             if item.num_samples == 0:
                 continue
             params = item.seq.request.params
-            position = item.start + item.num_new_tokens      # index of the token being sampled
-            # At a fork the n samples belong to sequence indices 0..n-1.
-            indices = range(item.num_samples) if item.num_samples > 1 else (item.seq.index,)
-            for index in indices:
+            for index in item.sample_indices:
                 gen = None
                 if params.seed is not None and not params.greedy:
-                    gen = make_generator(_row_seed(params.seed, index, position))
+                    gen = make_generator(_row_seed(params.seed, index, item.sample_position))
                 rows.append(SamplingRow(params.temperature, params.top_p, params.top_k, gen))
                 row_of.append(r)
             r += 1

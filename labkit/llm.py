@@ -26,10 +26,10 @@ from .memory import BlockAllocator
 from .model.kv_cache import DEFAULT_KV_BUDGET_BYTES, kv_bytes_per_token
 from .model.loader import load_model
 from .model.runner import ModelRunner
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .request import Request
+from .outputs import RequestOutput, error_output, request_output
+from .request import Request, encode_prompt, is_token_id
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, StaticScheduler
+from .scheduler import POLICIES, make_scheduler
 from .utils import progress_bar
 
 Prompt = str | list[int]
@@ -52,8 +52,8 @@ class LLM:
                  attention_backend: str = "auto", dtype: str | torch.dtype = "float32",
                  device: str | None = None, policy: str = "continuous", watermark: float = 0.01,
                  num_threads: int | None = None):
-        if policy not in ("continuous", "static"):
-            raise ValueError(f"policy must be 'continuous' or 'static', got {policy!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if not isinstance(block_size, int) or not 1 <= block_size <= 256:
             raise ValueError(f"block_size must be an integer in [1, 256], got {block_size!r}")
         if num_blocks is not None and kv_cache_memory is not None:
@@ -78,13 +78,10 @@ class LLM:
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = min(max_model_len or self.runner.max_model_len, self.runner.max_model_len)
         allocator = BlockAllocator(self.runner.num_blocks, block_size, enable_prefix_caching)
-        common = dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                      eos_token_ids=self.runner.eos_token_ids)
-        if policy == "static":
-            scheduler = StaticScheduler(allocator, **common)
-        else:
-            scheduler = Scheduler(allocator, max_num_batched_tokens=max_num_batched_tokens,
-                                  enable_chunked_prefill=enable_chunked_prefill, watermark=watermark, **common)
+        scheduler = make_scheduler(policy, allocator, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                   eos_token_ids=self.runner.eos_token_ids, watermark=watermark,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_chunked_prefill=enable_chunked_prefill)
         self.engine = Engine(scheduler, ModelExecutor(self.runner), tokenizer=self.tokenizer)
         self._ids = itertools.count()
         print(f"labkit: {self.runner.name} on {device} ({torch_dtype}), "
@@ -144,8 +141,9 @@ class LLM:
                 if not self.engine.has_unfinished:
                     break
         finally:
-            for rid in remaining:             # the consumer stopped early: free the blocks
-                self.engine.abort(rid)
+            for rid, request in remaining.items():   # the consumer stopped early: free the
+                self.engine.abort(rid)                # blocks and forget the text state
+                self.engine.release(request)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -156,8 +154,10 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _submit(self, prompts, sampling_params) -> list[Request | RequestOutput]:
-        """Check everything first, then queue: a ValueError leaves the engine untouched."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Check everything first, then queue: a ValueError leaves the engine untouched.
+        A request the engine refuses (too long, token ids outside the vocabulary) becomes
+        an error output, and the others go on."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_token_id(prompts[0])):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -169,51 +169,28 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"expected SamplingParams, got {type(p).__name__}")
             p.validate()
-        encoded = []
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                encoded.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=True)))
-            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-                bad = [t for t in prompt if not 0 <= t < self.runner.vocab_size]
-                encoded.append((None, list(prompt), bad))
-                continue
-            else:
-                raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        encoded = [encode_prompt(prompt, self.tokenizer) for prompt in prompts]
         out: list[Request | RequestOutput] = []
-        for item, p in zip(encoded, params):
-            text, ids = item[0], item[1]
+        for (text, ids), p in zip(encoded, params):
             request_id = str(next(self._ids))
-            if len(item) == 3 and item[2]:
-                error = f"request {request_id!r}: token ids out of range [0, {self.runner.vocab_size}): {item[2][:5]}"
-            else:
-                try:
-                    out.append(self.engine.add_request(ids, p, request_id=request_id, prompt=text))
-                    continue
-                except ValueError as e:
-                    error = str(e)
-            warnings.warn(f"labkit: request rejected: {error}", stacklevel=3)
-            out.append(RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids,
-                                     outputs=[CompletionOutput(0, "", [], "error")], finished=True,
-                                     metrics=RequestMetrics(self.engine.now), error=error))
+            try:
+                out.append(self.engine.add_request(ids, p, request_id=request_id, prompt=text))
+            except ValueError as e:
+                warnings.warn(f"labkit: request rejected: {e}", stacklevel=3)
+                out.append(error_output(request_id, text, ids, str(e), self.engine.now))
         return out
 
     def _output(self, r: Request | RequestOutput, with_delta: bool = False) -> RequestOutput:
         if isinstance(r, RequestOutput):
             return r
-        seqs = sorted(r.seqs, key=lambda s: s.index)
         engine = self.engine
-        outputs = [CompletionOutput(s.index, engine.text_of(s), list(s.output_token_ids), s.finish_reason)
-                   for s in seqs]
-        return RequestOutput(
-            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
-            outputs=outputs, finished=r.finished,
-            metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time),
-            num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
-            delta=[engine.deltas.get(s.seq_id, "") for s in seqs] if with_delta else [])
+        delta = [engine.deltas.get(s.seq_id, "") for s in r.seqs] if with_delta else None
+        return request_output(r, [engine.text_of(s) for s in r.seqs], delta)
 
     # ---- inspection ---------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters of the engine and the KV cache, as numbers (see design.md)."""
+        """Counters of the engine and the KV cache, as numbers; ``docs/stats.md`` defines
+        every key."""
         s = self.engine.stats()
         s.update(model=self.runner.name, attention_backend=self.runner.attention_backend,
                  kv_cache_bytes=self.runner.kv_cache.nbytes, max_model_len=self.max_model_len)

@@ -15,7 +15,8 @@ such region replaced by one line, indented like the BEGIN marker::
 (the hint after ``hint:`` is optional; without one a generic hint is used). Everything
 else is kept identical, except what running a notebook adds: outputs, execution counts,
 per-cell execution metadata and widget state (plotly's FigureWidget stores megabytes of
-JavaScript there) are stripped; the kernelspec is kept.
+JavaScript there) are stripped; a python3 kernelspec is written as ipykernel's, what Jupyter
+itself writes (another kernel's is kept).
 
 Conventions the notebooks follow (and the tests check):
 
@@ -25,6 +26,10 @@ Conventions the notebooks follow (and the tests check):
   grader from ``labkit.exercises``, which raises ``AssertionError`` with a hint on a wrong
   answer. A student notebook run top to bottom may fail in stub and check cells only:
   other cells never use an exercise's answer;
+* the first code cell is the **install cell**, ``install_cell()``: on Colab and wherever
+  labkit is not installed, it installs labkit from ``LABKIT_SOURCE`` (this module's constant,
+  or the environment variable of that name at run time). ``colab`` writes it into every
+  solution; ``check`` fails when one differs;
 * cells whose output varies from run to run (plots, widgets, timings) start with
   ``# NBVAL_IGNORE_OUTPUT``; grading runs ``pytest --nbval-lax``, which compares no
   output anyway, so a cell fails only by raising.
@@ -34,6 +39,7 @@ Commands (from the repository root)::
     python -m labkit.notebooks generate   # write notebooks/ from solutions/
     python -m labkit.notebooks check      # exit 1 if notebooks/ is stale or anything stores outputs
     python -m labkit.notebooks strip      # strip outputs and widget state from solutions/ in place
+    python -m labkit.notebooks colab      # write the install cell (INSTALL_CELL) first in every solution
     python -m labkit.notebooks verify submissions/   # students' check cells unchanged?
 """
 
@@ -59,7 +65,46 @@ CHECK_PREFIX = "# CHECK"
 # Metadata a run adds and a committed notebook must not carry.
 VOLATILE_CELL_METADATA = ("execution", "ExecuteTime", "widgets")
 KEPT_NOTEBOOK_METADATA = ("kernelspec", "language_info", "colab", "accelerator")
-DEFAULT_KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+# The kernelspec Jupyter writes for ipykernel's python3 kernel: stored as such, a notebook
+# saved from JupyterLab and stripped again does not change.
+DEFAULT_KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+# ---- the install cell: the first code cell of every notebook ---------------------------------
+#: Where a notebook's first cell installs labkit from, on Colab and any runtime where labkit
+#: is not installed: a pip Git URL (``git+https://host/owner/repo[@ref]``) or a wheel's URL
+#: (``make dist`` builds it). The one place to change for a course hosted elsewhere: edit it,
+#: then ``python -m labkit.notebooks colab`` and ``generate``. A student (or a course's setup
+#: cell) can override it at run time with the environment variable ``LABKIT_SOURCE``, which
+#: may also be a wheel's path on the runtime's disk.
+LABKIT_SOURCE = "git+https://github.com/labkit-lab/labkit"
+
+INSTALL_CELL = """\
+# Where labkit is not installed yet (Colab, Kaggle, ...): install it, keeping the runtime's own
+# torch, triton and ipywidgets. It comes from $LABKIT_SOURCE when that is set (a wheel's path or
+# URL, or a pip Git URL), else from the course's default below. Under `make lab` this does nothing.
+import importlib.util, os, pathlib, sys
+spec = importlib.util.find_spec("labkit")
+if spec is None or spec.origin is None:        # (a cloned folder named labkit is not the package)
+    LABKIT_SOURCE = os.environ.get("LABKIT_SOURCE", @SOURCE@)
+    if "://" not in LABKIT_SOURCE:             # a wheel on this machine's disk
+        LABKIT_SOURCE = pathlib.Path(LABKIT_SOURCE).resolve().as_uri()
+    print("installing labkit from", LABKIT_SOURCE)
+    %pip install -q "labkit[lab,serve] @ {LABKIT_SOURCE}"
+if "google.colab" in sys.modules:
+    import plotly.io as pio
+    pio.renderers.default = "colab"\
+"""
+
+
+def install_cell(source: str = LABKIT_SOURCE) -> str:
+    """The first code cell of every notebook, installing labkit from ``source`` by default."""
+    return INSTALL_CELL.replace("@SOURCE@", json.dumps(source))
+
+
+def is_install_cell(cell) -> bool:
+    """A code cell that pip-installs labkit (the template's, or an older or hand-made one)."""
+    src = _source(cell)
+    return cell.get("cell_type") == "code" and "%pip install" in src and "labkit" in src
 
 
 class NotebookError(ValueError):
@@ -115,12 +160,22 @@ def stub_source(source: str, where: str = "cell") -> str:
     return "\n".join(out)
 
 
+#: Code that loads the real model (the default one unless told otherwise).
+NEEDS_MODEL = re.compile(r"\bLLM\(|fetch_default_model|load_model\(|default_workload\(")
+
+
+def needs_model(text: str) -> bool:
+    """Whether a notebook's text loads the real model, which must then be cached first."""
+    return bool(NEEDS_MODEL.search(text))
+
+
 # ---- notebooks ---------------------------------------------------------------------------
 def clean(nb) -> "nbformat.NotebookNode":
     """A copy of ``nb`` without outputs, execution counts, run metadata or widget state."""
     nb = nbformat.from_dict(json.loads(json.dumps(nb)))
     meta = {k: v for k, v in nb.metadata.items() if k in KEPT_NOTEBOOK_METADATA}
-    meta.setdefault("kernelspec", dict(DEFAULT_KERNELSPEC))
+    if meta.get("kernelspec", {}).get("name", "python3") == "python3":
+        meta["kernelspec"] = dict(DEFAULT_KERNELSPEC)     # another kernel's spec is kept as is
     if "language_info" in meta:       # its version fields describe the machine that last ran it
         meta["language_info"] = {"name": meta["language_info"].get("name", "python")}
     nb.metadata = nbformat.from_dict(meta)
@@ -247,8 +302,13 @@ def check(paths: Paths) -> list[str]:
     except NotebookError as e:
         return [str(e)]
     for path in paths.solution_files():
-        for p in stored_state(read(path)):
+        nb = read(path)
+        for p in stored_state(nb):
             problems.append(f"solutions/{path.name}: {p} (python -m labkit.notebooks strip)")
+        first = next((c for c in nb.cells if c.cell_type == "code"), None)
+        if first is not None and is_install_cell(first) and first.source != install_cell():
+            problems.append(f"solutions/{path.name}: its first cell differs from the install cell "
+                            "(python -m labkit.notebooks colab, then generate)")
     present = {p.name for p in paths.notebooks.glob("*.ipynb")} if paths.notebooks.is_dir() else set()
     for name, text in expected.items():
         target = paths.notebooks / name
@@ -274,39 +334,122 @@ def strip(paths: Paths) -> list[str]:
     return changed
 
 
-def check_cells(nb) -> list[str]:
-    """The sources of a notebook's check cells, in order."""
-    return [cell.source for cell in nb.cells if is_check_cell(cell)]
+def colab(paths: Paths, source: str = LABKIT_SOURCE) -> list[str]:
+    """Make every solution's first code cell the install cell (``install_cell(source)``):
+    an existing install cell is replaced, otherwise one is inserted first. Returns the names
+    changed. ``generate`` then carries it into ``notebooks/``."""
+    changed = []
+    for path in paths.solution_files():
+        nb = read(path)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        if code and is_install_cell(code[0]):
+            code[0].source = install_cell(source)
+        else:
+            cell = nbformat.v4.new_code_cell(install_cell(source))
+            cell.id = hashlib.sha1(f"{path.stem}/install".encode()).hexdigest()[:8]
+            nb.cells.insert(0, cell)
+        text = dumps(nb)
+        if text != path.read_text(encoding="utf-8"):
+            path.write_text(text, encoding="utf-8")
+            changed.append(path.name)
+    return changed
+
+
+#: A check cell's first line names its exercise: ``# CHECK exercise 2.1``.
+CHECK_TITLE = re.compile(r"^#\s*CHECK\s+exercise\s+(?P<id>\S+)")
+
+
+def exercise_id(cell) -> str | None:
+    """The exercise a check cell grades ("2.1"), None for any other cell or a check cell
+    that names none."""
+    if not is_check_cell(cell):
+        return None
+    m = CHECK_TITLE.match(_source(cell).lstrip("\n"))
+    return m.group("id") if m else None
+
+
+@dataclass(slots=True)
+class CheckCellMatch:
+    """One check cell of a distributed notebook and the submitted cell that stands for it."""
+    index: int              # its position among the distributed notebook's cells
+    title: str              # its first line, e.g. "# CHECK exercise 2.1"
+    source: str             # what it says in the distributed notebook
+    found: int | None       # the submitted cell's position; None when the check cell is gone
+    edited: bool            # the submitted cell says something else
+
+
+def _normalized(source: str) -> str:
+    """A cell's code up to trailing spaces and blank lines at either end (an editor adds those)."""
+    return "\n".join(line.rstrip() for line in source.strip("\n").splitlines()).strip()
+
+
+def match_check_cells(submitted, distributed) -> tuple[list[CheckCellMatch], list[int]]:
+    """Pair each check cell of ``distributed`` with the cell of ``submitted`` holding it.
+
+    A cell is found by its id (Jupyter keeps cell ids, so an edited check cell, even one
+    whose ``# CHECK`` line was removed, is still recognised), else as the first unpaired
+    check cell with the same first line. Returns the pairs, in the distributed order, and
+    the positions of the submitted check cells that stand for none (extra ones).
+    """
+    wanted = [(i, c) for i, c in enumerate(distributed.cells) if is_check_cell(c)]
+    checks = [i for i, c in enumerate(submitted.cells) if is_check_cell(c)]
+    ids = {c.get("id"): i for i, c in enumerate(submitted.cells) if c.get("id") and c.get("cell_type") == "code"}
+    found: list[int | None] = [None] * len(wanted)
+    used: set[int] = set()
+    for k, (_, cell) in enumerate(wanted):                       # 1. same cell id
+        i = ids.get(cell.get("id")) if cell.get("id") else None
+        if i is not None and i not in used:
+            found[k] = i
+            used.add(i)
+    for k, (_, cell) in enumerate(wanted):                       # 2. same first line
+        if found[k] is None:
+            title = _source(cell).lstrip("\n").splitlines()[0].strip()
+            i = next((i for i in checks if i not in used
+                      and _source(submitted.cells[i]).lstrip("\n").splitlines()[0].strip() == title), None)
+            if i is not None:
+                found[k] = i
+                used.add(i)
+    matches = []
+    for (index, cell), i in zip(wanted, found):
+        source = _source(cell)
+        edited = i is not None and _normalized(_source(submitted.cells[i])) != _normalized(source)
+        matches.append(CheckCellMatch(index, source.lstrip("\n").splitlines()[0].strip(), source, i, edited))
+    return matches, [i for i in checks if i not in used]
+
+
+#: A submission may be named ``<student>__<notebook>.ipynb`` (see ``labkit.grade.collect``).
+STUDENT_SEPARATOR = "__"
 
 
 def verify_submission(path: Path, paths: Paths) -> list[str]:
     """Whether a student's notebook still has the check cells it was given: the ``# CHECK``
-    cells of ``notebooks/<same name>``, unchanged and in order (grading runs whatever the
-    file holds, so an edited check would grade nothing)."""
-    original = paths.notebooks / Path(path).name
+    cells of ``notebooks/<same name>`` (``alice__02_paging.ipynb`` is ``02_paging.ipynb``),
+    each present and unchanged (grading runs whatever the file holds, so an edited check
+    would grade nothing). See ``match_check_cells``."""
+    name = Path(path).name.rpartition(STUDENT_SEPARATOR)[2]
+    original = paths.notebooks / name
     if not original.exists():
-        return [f"{path}: no notebooks/{Path(path).name} to compare with"]
+        return [f"{path}: no notebooks/{name} to compare with"]
     try:
-        submitted = check_cells(read(Path(path)))
+        submitted = read(Path(path))
     except (OSError, ValueError) as e:
         return [f"{path}: not a readable notebook ({e})"]
-    expected = check_cells(read(original))
+    matches, extra = match_check_cells(submitted, read(original))
     problems = []
-    for k, cell in enumerate(expected):
-        title = cell.splitlines()[0]
-        if k >= len(submitted):
-            problems.append(f"{path}: check cell {title!r} is missing")
-        elif submitted[k] != cell:
-            problems.append(f"{path}: check cell {title!r} was edited")
-    if len(submitted) > len(expected):
-        problems.append(f"{path}: {len(submitted) - len(expected)} extra check cell(s)")
+    for m in matches:
+        if m.found is None:
+            problems.append(f"{path}: check cell {m.title!r} is missing")
+        elif m.edited:
+            problems.append(f"{path}: check cell {m.title!r} was edited")
+    if extra:
+        problems.append(f"{path}: {len(extra)} extra check cell(s)")
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit.notebooks",
                                      description="Student notebooks from solutions/ (see the module docstring).")
-    parser.add_argument("command", choices=("generate", "check", "strip", "verify"))
+    parser.add_argument("command", choices=("generate", "check", "strip", "colab", "verify"))
     parser.add_argument("submissions", nargs="*", type=Path,
                         help="verify: student notebooks whose check cells to compare with notebooks/")
     parser.add_argument("--root", type=Path, default=None, help="the checkout (default: found from here)")
@@ -322,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             changed = generate(paths)
             print("\n".join(f"wrote notebooks/{n}" for n in changed) or "notebooks/ is up to date")
+            return 0
+        if args.command == "colab":
+            changed = colab(paths)
+            print("\n".join(f"wrote the install cell into solutions/{n}" for n in changed)
+                  or f"every solution installs labkit from {LABKIT_SOURCE}")
             return 0
         if args.command == "strip":
             changed = strip(paths)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import numbers
 
 from .memory import BlockTable
 from .sampling_params import SamplingParams
@@ -82,7 +83,7 @@ class Request:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_time", "seqs",
-                 "first_scheduled_time", "first_token_time", "finish_time", "forked",
+                 "first_scheduled_time", "first_token_time", "finished_time", "forked",
                  "prompt", "error")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -94,10 +95,16 @@ class Request:
         self.prompt = prompt
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        self.finish_time: float | None = None
+        self.finished_time: float | None = None
         self.forked = params.n == 1              # n > 1 forks once, after the prompt's prefill
         self.error: str | None = None
         self.seqs = [Sequence(self, list(self.prompt_token_ids))]
+
+    @property
+    def width(self) -> int:
+        """Batch slots the request's sequences take: ``n`` until it forks (its one sequence
+        becomes n after the prompt's prefill), then 1 per sequence."""
+        return 1 if self.forked else self.params.n
 
     @property
     def finished(self) -> bool:
@@ -107,3 +114,21 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, n={self.params.n})"
+
+
+def is_token_id(t) -> bool:
+    """An integer that is not a bool (``True`` would otherwise pass as token 1)."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def encode_prompt(prompt, tokenizer) -> tuple[str | None, list[int]]:
+    """A prompt as (its text or None, its token ids): text is tokenized with the special
+    tokens, as Hugging Face's ``generate`` does; token ids are taken as given (the engine
+    checks their range). Anything else (``True`` is not a token id) raises ``ValueError``.
+    ``LLM`` and ``AsyncEngine`` both read prompts with this."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):
+        return None, [int(t) for t in prompt]
+    raise ValueError("a prompt must be a string or a list of token ids (integers), got "
+                     f"{type(prompt).__name__}" + (f" {prompt[:5]!r}" if isinstance(prompt, (list, tuple)) else ""))

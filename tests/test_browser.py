@@ -186,3 +186,49 @@ def test_widgets_in_jupyterlab(lab, page):
     assert pg.evaluate("() => document.querySelector('.js-plotly-plot').layout.title.text") != first
     pg.screenshot(path=str(ARTIFACTS / "replay_export.png"))
     assert time.monotonic() - t0 < 120
+
+
+@pytest.fixture
+def make_lab(tmp_path):
+    """The README's ``make lab`` on a copy of ``notebooks/`` (JupyterLab autosaves: never the
+    repository's own files); stopped, kernels and all, after."""
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium: apt-get install chromium (or `make browser`)")
+    pytest.importorskip("playwright.sync_api", reason="playwright for Python is not installed")
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    from lab_server import running_make_lab
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(HERE.parent / "notebooks", notebooks)
+    with running_make_lab(notebooks, tmp_path / "home") as (url, token):
+        yield url, token, notebooks
+
+
+def test_make_lab_opens_chapter_00_unmodified_without_news(make_lab, page):
+    """What a student sees first: chapter 00 open, its kernel started, no pop-up asking about
+    Jupyter news, and the notebook not marked modified (its file untouched)."""
+    url, token, notebooks = make_lab
+    first = notebooks / "00_setup_and_tour.ipynb"
+    stored = first.read_bytes()
+    pg = page
+    pg.goto(f"{url}/?token={token}")                  # the address make lab prints, less its path
+    wait_for(lambda: "/lab/tree/00_setup_and_tour.ipynb" in pg.url, 30, "a redirect to chapter 00")
+    pg.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
+    tab = pg.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current")
+    wait_for(lambda: "00_setup_and_tour.ipynb" in " ".join(tab.all_inner_texts()), 30, "chapter 00's tab")
+    assert pg.locator(".jp-Dialog").count() == 0, pg.locator(".jp-Dialog").all_inner_texts()  # no "Select Kernel"
+    wait_for(lambda: "Idle" in " ".join(pg.locator(".jp-StatusBar-TextItem").all_inner_texts()),
+             60, "the kernel to start (status bar 'Idle')")
+    # JupyterLab writes the kernel's kernelspec and language_info when the kernel replies;
+    # give it time to do so, then the notebook must still be unmodified.
+    pg.wait_for_timeout(3000)
+    metadata = pg.evaluate("() => window.jupyterapp.shell.currentWidget.context.model.toJSON().metadata")
+    assert metadata["language_info"]["version"] == ".".join(map(str, sys.version_info[:3])), metadata
+    dirty = pg.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-dirty").all_inner_texts()
+    assert not dirty, f"opened notebooks show as modified: {dirty} (metadata now {metadata})"
+    toasts = pg.locator(".Toastify__toast").all_inner_texts()
+    assert not any("news" in t.lower() for t in toasts), toasts
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg.screenshot(path=str(ARTIFACTS / "make_lab_first_view.png"))
+    assert first.read_bytes() == stored, "opening chapter 00 rewrote its file"

@@ -127,7 +127,9 @@ def test_sampling_params_validation_raises_before_anything_runs():
 def test_bad_prompts_are_rejected_alone_and_the_rest_complete():
     llm = LLM("tiny-llama", num_blocks=16, block_size=8)       # 128 slots of KV in all
     prompts = [[5] * 10, [6] * 600, [7] * 120, [8] * 12, [10**6]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
+    with pytest.warns(UserWarning, match="request rejected") as warned:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
+    assert len(warned) == 3, "one warning per rejected request"
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) > 0
     assert "too long" in outs[1].error and outs[1].outputs[0].finish_reason == "error"
     assert "whole KV cache" in outs[2].error

@@ -28,6 +28,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import labkit.kernels as K  # noqa: E402
+from labkit.utils import cdiv  # noqa: E402
 
 # ------------------------------------------------------------------------ fixtures
 
@@ -77,7 +78,7 @@ def make_paged_kv(context_lens: list[int], block_size: int, num_kv_heads: int, h
     past a sequence's last block is garbage.
     """
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    blocks_per_seq = [cdiv(n, block_size) for n in context_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     width = max(blocks_per_seq) + 2
     pool = torch.randperm(num_blocks, generator=gen).tolist()
@@ -241,7 +242,9 @@ def test_decode_ref_handles_chunks_of_the_batch(monkeypatch):
     whole = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
     monkeypatch.setattr(K._common, "CPU_GATHER_CHUNK_BYTES", 1)  # one sequence per chunk
     chunked = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
-    torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
+    # Not bitwise: with several threads SDPA splits its reductions by batch size (float
+    # noise, ~1e-7). A wrong chunk boundary would be off by O(1).
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------ prefill
@@ -331,6 +334,199 @@ def test_bad_shapes_are_refused(op):
         op(q[:, :3], k_cache, v_cache, tables, lens, 0.125)
     with pytest.raises(ValueError, match="power of two"):
         op(q, k_cache[:, :6], v_cache[:, :6], tables, lens, 0.125)
+
+
+# ------------------------------------------- bad inputs: a clear error, never a crash
+#
+# The kernels index without bounds checks (Triton loads and stores, Numba's
+# boundscheck=False), so every entry point checks its arguments once per call. Students call
+# these functions directly (chapter 5): a wrong block id must be a ValueError naming it.
+
+DECODE_OPS = [pytest.param(K.paged_decode_attention_ref, id="ref"),
+              pytest.param(K.paged_decode_attention_cpu, id="cpu"),
+              pytest.param(K.paged_decode_attention, id="triton")]
+PREFILL_OPS = [pytest.param(K.paged_prefill_attention_ref, id="ref"),
+               pytest.param(K.paged_prefill_attention, id="triton")]
+CACHE_WRITE_OPS = [pytest.param(K.reshape_and_cache_ref, id="ref"),
+                   pytest.param(K.reshape_and_cache, id="triton")]
+
+
+def _with(tensor: torch.Tensor, index, value) -> torch.Tensor:
+    tensor = tensor.clone()
+    tensor[index] = value
+    return tensor
+
+
+# (what is wrong, how to break a 2-sequence decode batch of block size 8, the error's words)
+BAD_DECODE_INPUTS = [
+    pytest.param(lambda a: a.update(tables=_with(a["tables"], (1, 1), a["k"].shape[0])),
+                 r"block_tables\[1, 1\] is \d+, not a block of this cache \(ids 0\.\.\d+\); "
+                 r"sequence 1 reads it for its tokens 8\.\.10", id="block-id-past-the-cache"),
+    pytest.param(lambda a: a.update(tables=_with(a["tables"], (0, 0), -1)),
+                 r"block_tables\[0, 0\] is -1, not a block", id="negative-block-id"),
+    pytest.param(lambda a: a.update(lens=_with(a["lens"], 1, 8 * a["tables"].shape[1] + 1)),
+                 r"context_lens\[1\] is \d+ tokens, which span \d+ blocks of 8, but block_tables "
+                 r"has only \d+ columns", id="context-longer-than-the-table"),
+    pytest.param(lambda a: a.update(lens=_with(a["lens"], 0, 0)),
+                 r"context_lens\[0\] is 0.*>= 1", id="empty-context"),
+    pytest.param(lambda a: a.update(tables=a["tables"].float()),
+                 "block_tables must be an int32 or int64", id="float-block-table"),
+    pytest.param(lambda a: a.update(lens=a["lens"].bool()),
+                 "context_lens must be an int32 or int64", id="bool-context-lens"),
+    pytest.param(lambda a: a.update(lens=a["lens"][:1]),
+                 r"context_lens must be .* \[num_seqs\] = \[2\]", id="context-lens-too-short"),
+    pytest.param(lambda a: a.update(q=a["q"][:1]),
+                 "decode takes one query per sequence: q has 1 rows but block_tables has 2",
+                 id="one-query-too-few"),
+    pytest.param(lambda a: a.update(q=a["q"].to(torch.int32)),
+                 "q must be a floating-point tensor", id="integer-q"),
+    pytest.param(lambda a: a.update(k=a["k"].to(torch.int32), v=a["v"].to(torch.int32)),
+                 "KV cache must be a floating-point tensor", id="integer-cache"),
+    pytest.param(lambda a: a.update(k=a["k"].to("meta"), v=a["v"].to("meta")),
+                 r"every tensor must be on the cache's device \(meta\), got q on cpu, "
+                 "block_tables on cpu, context_lens on cpu", id="cache-on-another-device"),
+]
+
+
+def _decode_args() -> dict:
+    q, k, v, tables, lens = make_decode_batch(8, 4, 2, 16, [3, 11])  # blocks: 1 and 2 of 8
+    return dict(q=q, k=k, v=v, tables=tables, lens=lens)
+
+
+@pytest.mark.parametrize("breakage, message", BAD_DECODE_INPUTS)
+@pytest.mark.parametrize("op", DECODE_OPS)
+def test_decode_refuses_bad_inputs(op, breakage, message):
+    args = _decode_args()
+    if op is not K.paged_decode_attention:  # the unbroken batch is fine (garbage past each
+        op(*args.values(), 0.25)            # sequence's last block included)
+    breakage(args)
+    with pytest.raises(ValueError, match=message):
+        op(*args.values(), 0.25)
+
+
+def _prefill_args() -> dict:
+    q, k, v, tables, lens, starts, _ = make_prefill_batch(8, 4, 2, 16, [(0, 3), (5, 4)])
+    return dict(q=q, k=k, v=v, tables=tables, lens=lens, starts=starts)
+
+
+BAD_PREFILL_INPUTS = [
+    pytest.param(lambda a: a.update(tables=_with(a["tables"], (1, 0), 10**6)),
+                 r"block_tables\[1, 0\] is 1000000, not a block", id="block-id-past-the-cache"),
+    pytest.param(lambda a: a.update(starts=a["starts"] + 1),
+                 r"query_start_loc\[0\] must be 0, got 1", id="starts-not-at-zero"),
+    pytest.param(lambda a: a.update(starts=_with(a["starts"], 1, 8)),
+                 r"query_start_loc must not decrease: query_start_loc\[2\] = 7 < "
+                 r"query_start_loc\[1\] = 8", id="decreasing-starts"),
+    pytest.param(lambda a: a.update(q=a["q"][:-1]),
+                 r"query_start_loc\[-1\] is 7 but q has 6 rows", id="fewer-rows-than-chunks"),
+    pytest.param(lambda a: a.update(lens=_with(a["lens"], 0, 2)),
+                 "sequence 0 brings a chunk of 3 tokens but its context_lens is 2",
+                 id="chunk-longer-than-context"),
+    pytest.param(lambda a: a.update(starts=a["starts"][:-1]),
+                 r"query_start_loc must be an int32 or int64 \[num_seqs \+ 1\] = \[3\]",
+                 id="starts-too-short"),
+]
+
+
+@pytest.mark.parametrize("breakage, message", BAD_PREFILL_INPUTS)
+@pytest.mark.parametrize("op", PREFILL_OPS)
+def test_prefill_refuses_bad_inputs(op, breakage, message):
+    args = _prefill_args()
+    breakage(args)
+    with pytest.raises(ValueError, match=message):
+        op(*args.values(), 0.25)
+
+
+@pytest.mark.parametrize("slot, message", [
+    pytest.param(32, r"slot_mapping\[3\] is 32, not a slot of this cache \(0\.\.31", id="past-the-cache"),
+    pytest.param(-2, r"slot_mapping\[3\] is -2, not a slot.*or -1 to skip", id="negative"),
+])
+@pytest.mark.parametrize("op", CACHE_WRITE_OPS)
+def test_cache_write_refuses_slots_outside_the_cache(op, slot, message):
+    key, value, k_cache, v_cache, slots = _cache_write_case(torch.float32, "cpu", torch.int64)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match=message):
+        op(key, value, k_cache, v_cache, _with(slots, 3, slot))
+    assert torch.equal(k_cache, before)  # refused before anything was written
+
+
+@pytest.mark.parametrize("op", CACHE_WRITE_OPS)
+def test_cache_write_refuses_wrong_dtypes_and_devices(op):
+    key, value, k_cache, v_cache, slots = _cache_write_case(torch.float32, "cpu", torch.int64)
+    with pytest.raises(ValueError, match="key and value must be floating-point"):
+        op(key.to(torch.int32), value, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="slot_mapping must be a 1-d int32 or int64 tensor, got torch.float32"):
+        op(key, value, k_cache, v_cache, slots.float())
+    with pytest.raises(ValueError, match=r"cache's device \(meta\), got key on cpu, value on cpu, "
+                                         "slot_mapping on cpu"):
+        op(key, value, k_cache.to("meta"), v_cache.to("meta"), slots)
+
+
+def _count_value_checks(monkeypatch) -> list:
+    """Count the value checks of block tables that really run (skipped ones do not reach
+    ``blocks_in_use``; the CPU kernel, unlike the references, never calls it otherwise)."""
+    calls = []
+    real = K._common.blocks_in_use
+    monkeypatch.setattr(K._common, "blocks_in_use", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_index_tensors_checked_checks_once_and_only_those_tensors(monkeypatch):
+    pytest.importorskip("numba", reason="the CPU decode kernel needs Numba")
+    q, k, v, tables, lens = make_decode_batch(8, 4, 2, 16, [3, 11])
+    slots = torch.tensor([2, 10], dtype=torch.int64)
+    calls = _count_value_checks(monkeypatch)
+    with K.index_tensors_checked(k.shape[0], 8, slots, [(tables, lens, None, 2)]):
+        assert len(calls) == 1                          # checked on entry
+        for _ in range(3):                              # then trusted, as in every layer
+            K.paged_decode_attention_cpu(q, k, v, tables, lens, 0.25)
+        assert len(calls) == 1
+        bad = _with(tables, (1, 1), k.shape[0])         # another tensor: checked in full
+        with pytest.raises(ValueError, match=r"block_tables\[1, 1\]"):
+            K.paged_decode_attention_cpu(q, k, v, bad, lens, 0.25)
+        with pytest.raises(ValueError, match="not a block"):   # same tensors, a smaller cache
+            K.paged_decode_attention_cpu(q, k[:1], v[:1], tables, lens, 0.25)
+        with pytest.raises(ValueError, match="one query per sequence"):  # shapes: every call
+            K.paged_decode_attention_cpu(q[:1], k, v, tables, lens, 0.25)
+    assert len(calls) == 3                              # the other tensor, the other cache
+    K.paged_decode_attention_cpu(q, k, v, tables, lens, 0.25)
+    assert len(calls) == 4                              # outside the block: checked again
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] is 99"):  # and entering checks
+        with K.index_tensors_checked(k.shape[0], 8, _with(slots, 1, 99), []):
+            pass
+
+
+def test_the_model_checks_its_index_tensors_once_per_step_not_per_layer(monkeypatch):
+    pytest.importorskip("numba", reason="the CPU decode kernel needs Numba")
+    from labkit.model.runner import ModelRunner, SeqChunk
+    runner = ModelRunner("tiny-llama", block_size=8, num_blocks=8, attention_backend="cpu")
+    assert runner.spec.num_layers > 1
+    runner.execute([SeqChunk(list(range(1, 12)), 0, [3, 5])])          # prefill
+    calls = _count_value_checks(monkeypatch)
+    runner.execute([SeqChunk([7], 11, [3, 5])])                        # one decode step
+    assert len(calls) == 1
+
+
+def test_cpu_decode_kernel_with_a_block_past_the_cache_raises_instead_of_crashing():
+    """In a child process, so that a regression fails this test instead of killing pytest:
+    before the checks, the Numba loop (compiled with boundscheck=False) read block 10**9 of
+    a 4-block cache and the process died of SIGSEGV."""
+    pytest.importorskip("numba", reason="the CPU decode kernel needs Numba")
+    code = """
+import torch
+import labkit.kernels as K
+q, cache = torch.randn(1, 2, 16), torch.randn(4, 8, 2, 16)
+for bad in (10**9, -10**9, 4):
+    try:
+        K.paged_decode_attention_cpu(q, cache, cache, torch.tensor([[bad]], dtype=torch.int32),
+                                     torch.tensor([5], dtype=torch.int32), 0.25)
+        print("accepted", bad)
+    except ValueError as err:
+        print("refused", bad, "not a block of this cache" in str(err))
+"""
+    result = _run_python(code)
+    assert result.returncode == 0, f"exit status {result.returncode}: {result.stderr[-2000:]}"
+    assert result.stdout.split("\n")[:3] == [f"refused {bad} True" for bad in (10**9, -10**9, 4)]
 
 
 # ------------------------------------------------------------------ backends
@@ -427,6 +623,20 @@ def test_bench_cpu_smoke(capsys):
     from labkit.bench.kernels import main
     assert main(["--ref-cpu", "--batch", "2", "--context", "64", "--repeats", "2"]) == 0
     assert "ms" in capsys.readouterr().out
+
+
+def test_bench_step_smoke(capsys):
+    """``python -m labkit.bench step``: one decode step and one prefill of the real runner,
+    with the time spent in the attention ops measured inside them."""
+    import json
+
+    from labkit.bench.step import main
+    assert main(["--model", "tiny-llama", "--batch", "2", "--context", "20", "--prefill", "16",
+                 "--repeats", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == "tiny-llama" and result["batch"] == 2
+    for step in ("decode", "prefill"):
+        assert 0 < result[f"{step}_attention_s"] < result[f"{step}_s"]
 
 
 def test_references_work_inside_and_outside_inference_mode():

@@ -11,9 +11,10 @@ import copy
 
 import pytest
 
-import labkit.memory.block_table as block_table_module
+import labkit.memory.prefix_cache as prefix_cache_module
+from labkit.utils import cdiv
 from labkit.memory import (ROOT_HASH, BlockAllocator, BlockTable, NoFreeBlocksError, hash_block,
-                           hash_prefix)
+                           hash_full_blocks, hash_prefix)
 
 
 def snapshot(allocator: BlockAllocator) -> dict:
@@ -43,7 +44,7 @@ def test_one_token_at_a_time_allocates_a_block_every_block_size_tokens():
         assert table.append_tokens([n]) == []
         if allocator.num_free_blocks == before - 1:
             allocated_at.append(n)
-        assert table.num_blocks == -(-n // bs)
+        assert table.num_blocks == cdiv(n, bs)
         assert table.num_free_slots == table.num_blocks * bs - n < bs
         allocator.check_invariants()
     assert allocated_at == [1, 5, 9, 13]   # the first token of every block, and only then
@@ -160,7 +161,7 @@ def test_freed_cached_blocks_stay_reusable_until_evicted():
 
 def test_a_hash_collision_never_shares_kv(monkeypatch):
     """Every block hashes alike: the token comparison on hit must refuse to share."""
-    monkeypatch.setattr(block_table_module, "hash_block", lambda parent, tokens: 42)
+    monkeypatch.setattr(prefix_cache_module, "hash_block", lambda parent, tokens: 42)
     allocator = BlockAllocator(num_blocks=8, block_size=4, enable_prefix_caching=True)
     a = filled_table(allocator, [1, 2, 3, 4])
     assert allocator.num_cached_blocks == 1
@@ -287,6 +288,17 @@ def test_chained_hashes_depend_on_the_whole_prefix():
     assert hash_prefix([9, 9, 3, 4], 2)[1] != h[1]   # same block, other prefix
 
 
+def test_the_chain_walk_yields_each_full_block_with_its_parent():
+    """``hash_full_blocks`` is the one walk of the chain (the block table's prefix lookups
+    and ``hash_prefix`` both use it): a partial tail is not hashed, ``max_tokens`` stops
+    it early, and each block names its parent's hash."""
+    walk = list(hash_full_blocks([1, 2, 3, 4, 5], 2))
+    assert [(parent, block) for _, parent, block in walk] == [(ROOT_HASH, (1, 2)), (walk[0][0], (3, 4))]
+    assert [h for h, _, _ in walk] == hash_prefix([1, 2, 3, 4, 5], 2)
+    assert [block for _, _, block in hash_full_blocks([1, 2, 3, 4, 5], 2, max_tokens=3)] == [(1, 2)]
+    assert list(hash_full_blocks([1, 2, 3], 4)) == []
+
+
 # ---- misuse fails loudly and changes nothing ---------------------------------------------
 def test_appending_to_a_freed_table_fails():
     allocator = BlockAllocator(num_blocks=4, block_size=2)
@@ -395,10 +407,10 @@ def test_reserved_tables_publish_the_block_they_filled():
     "collision in an ancestor's hash can still alias KV computed under another prefix. "
     "With 128-bit BLAKE2b the odds are ~2^-128 per pair (vLLM trusts its hash the same way)."))
 def test_a_collision_in_an_ancestor_hash_is_not_caught(monkeypatch):
-    real = block_table_module.hash_block
+    real = prefix_cache_module.hash_block
     # Blocks (8,) and (9,) at the root collide; everything else hashes normally.
     collide = {(ROOT_HASH, (8,)): 50, (ROOT_HASH, (9,)): 50}
-    monkeypatch.setattr(block_table_module, "hash_block",
+    monkeypatch.setattr(prefix_cache_module, "hash_block",
                         lambda parent, tokens: collide.get((parent, tuple(tokens)), real(parent, tokens)))
     allocator = BlockAllocator(num_blocks=8, block_size=1, enable_prefix_caching=True)
     filled_table(allocator, [8])            # (8,) is cached under hash 50

@@ -26,6 +26,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
                                  multiple, precondition, rule, run_state_machine_as_test)
 
 from labkit.memory import ROOT_HASH, BlockAllocator, BlockTable, NoFreeBlocksError, hash_block
+from labkit.utils import cdiv
 
 # Prompts share prefixes, so the prefix cache hits (and misses) often.
 SYSTEM = [7, 7, 1, 2, 3, 4, 5, 6, 8]
@@ -134,7 +135,7 @@ class MemoryMachine(RuleBasedStateMachine):
             assert snapshot(self.allocator) == before and table.block_ids == []
             table.free()
             return multiple()
-        assert table.num_blocks == -(-(len(prompt) + room) // self.bs)
+        assert table.num_blocks == cdiv(len(prompt) + room, self.bs)
         live = Live(table, [], 0, reserved=True)
         self.live.append(live)
         assert self._append(live, prompt, True), "the reservation must hold the prompt"
@@ -190,7 +191,7 @@ class MemoryMachine(RuleBasedStateMachine):
         if live.table.freed or live.computed < len(live.tokens):
             return live    # the engine forks right after a step: all KV written
         t = live.table
-        if t.num_blocks > -(-len(live.tokens) // self.bs):
+        if t.num_blocks > cdiv(len(live.tokens), self.bs):
             before = snapshot(self.allocator)
             with pytest.raises(ValueError, match="reserved"):
                 t.fork()   # empty reserved blocks cannot be shared safely
@@ -238,9 +239,9 @@ class MemoryMachine(RuleBasedStateMachine):
                 holders[b] += 1
             assert t.token_ids == live.tokens
             if live.reserved:
-                assert t.num_blocks >= -(-len(live.tokens) // bs)
+                assert t.num_blocks >= cdiv(len(live.tokens), bs)
             else:
-                assert t.num_blocks == -(-len(live.tokens) // bs)
+                assert t.num_blocks == cdiv(len(live.tokens), bs)
             for p in range(live.computed):
                 assert self.kv.get(t.slot(p)) == tuple(live.tokens[:p + 1]), (
                     f"table reads someone else's KV at position {p}")

@@ -25,6 +25,7 @@ from labkit.model import (
     sample,
     tiny_config,
 )
+from labkit.model.runner import pack_chunks, pack_chunks_reference
 
 ATOL = 1e-4
 
@@ -123,15 +124,18 @@ def test_mixed_batch_one_execute(runner, tiny_hf):
     # Prefill everything but the last token of seqs 0-2 (no logits wanted), nothing of seq 3.
     runner.execute([SeqChunk(s[:-1], 0, b, compute_logits=False) for s, b in zip(seqs[:3], blocks[:3])])
     chunks = [
-        SeqChunk([seqs[0][-1]], len(seqs[0]) - 1, blocks[0]),            # decode
         SeqChunk(seqs[3][:20], 0, blocks[3], compute_logits=True),       # prefill chunk
+        SeqChunk([seqs[0][-1]], len(seqs[0]) - 1, blocks[0]),            # decode
         SeqChunk([seqs[1][-1]], len(seqs[1]) - 1, blocks[1], compute_logits=False),  # decode, no logits
         SeqChunk([seqs[2][-1]], len(seqs[2]) - 1, blocks[2]),            # decode
     ]
+    # The runner packs in the scheduler's order (prefills first) and never re-sorts.
+    with pytest.raises(ValueError, match="prefill chunks must come before"):
+        runner.execute([chunks[1], chunks[0]])
     out = runner.execute(chunks)
     assert out.shape == (3, runner.vocab_size)
-    torch.testing.assert_close(out[0], hf_logits(tiny_hf, seqs[0])[-1], atol=ATOL, rtol=0)
-    torch.testing.assert_close(out[1], hf_logits(tiny_hf, seqs[3])[19], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[0], hf_logits(tiny_hf, seqs[3])[19], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], hf_logits(tiny_hf, seqs[0])[-1], atol=ATOL, rtol=0)
     torch.testing.assert_close(out[2], hf_logits(tiny_hf, seqs[2])[-1], atol=ATOL, rtol=0)
     # The rest of seq 3 (a final chunk) alongside the next decode of seq 1.
     nxt = 7
@@ -199,6 +203,44 @@ def test_kv_sizing_helpers(tiny):
     assert r.num_blocks == (1 << 20) // (kv_bytes_per_token(tiny.config) * 8)
     with pytest.raises(ValueError):
         KVCache.from_config(tiny.config, block_size=16, budget_bytes=10)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_packing_equals_the_plain_loop_reference(seed):
+    """The vectorized packing builds exactly the index tensors the one-token-at-a-time
+    definition does, on random plans: prefills (chunks of any length, from any computed
+    position) then decodes, shuffled blocks, spare trailing block ids, logits or not."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 16])
+    num_blocks = 512
+    chunks = []
+    num_prefills = rng.randint(0, 4)
+    for is_prefill in [True] * num_prefills + [False] * rng.randint(0 if num_prefills else 1, 5):
+        computed = rng.randint(0, 60)
+        num_new = rng.randint(1, 40) if is_prefill else 1
+        needed = -(-(computed + num_new) // block_size)
+        block_ids = rng.sample(range(num_blocks), needed + rng.randint(0, 2))
+        chunks.append(SeqChunk([rng.randrange(384) for _ in range(num_new)], computed, block_ids,
+                               compute_logits=rng.random() < 0.7, is_prefill=is_prefill))
+    packed = pack_chunks(chunks, block_size, num_blocks, max_model_len=512)
+    ref = pack_chunks_reference(chunks, block_size)
+    assert packed.positions.tolist() == ref["positions"]
+    assert packed.slot_mapping.tolist() == ref["slot_mapping"]
+    assert packed.context_lens.tolist() == ref["context_lens"]
+    assert packed.query_start_loc.tolist() == ref["query_start_loc"]
+    for row, ref_row in zip(packed.block_tables.tolist(), ref["block_tables"]):
+        assert row[:len(ref_row)] == ref_row      # beyond: padding, never read past context_lens
+    assert packed.input_ids.tolist() == [t for c in chunks for t in c.token_ids]
+    assert packed.num_prefills == sum(c.is_prefill for c in chunks)
+    ends = [q - 1 for q, c in zip(ref["query_start_loc"][1:], chunks) if c.compute_logits]
+    assert packed.logits_indices.tolist() == ends
+
+
+def test_packing_rejects_plans_the_kernels_cannot_run():
+    with pytest.raises(ValueError, match="exactly one token"):
+        pack_chunks([SeqChunk([1, 2], 0, [0], is_prefill=False)], 4, 8, 512)
+    with pytest.raises(ValueError, match="before decode"):
+        pack_chunks([SeqChunk([1], 3, [0]), SeqChunk([1, 2], 0, [1])], 4, 8, 512)
 
 
 def test_runner_attributes_and_errors(runner, tiny):
@@ -314,20 +356,22 @@ def greedy_generate(runner: ModelRunner, prompts: list[list[int]], max_new: int,
     outs: list[list[int]] = [[] for _ in prompts]
     rows = [SamplingRow() for _ in prompts]
     while any(len(o) < max_new for o in outs):
-        chunks, who = [], []
+        prefills, decodes, who_prefill, who_decode = [], [], [], []   # the runner takes prefills first
         for i, p in enumerate(prompts):
             if len(outs[i]) >= max_new:
                 continue
             if done[i] < len(p):  # still prefilling (chunked)
                 end = min(len(p), done[i] + chunk)
-                chunks.append(SeqChunk(p[done[i]:end], done[i], blocks[i], compute_logits=end == len(p)))
+                prefills.append(SeqChunk(p[done[i]:end], done[i], blocks[i], compute_logits=end == len(p),
+                                         is_prefill=True))
                 done[i] = end
-                if end < len(p):
-                    continue
+                if end == len(p):
+                    who_prefill.append(i)
             else:
                 pos = len(p) + len(outs[i]) - 1
-                chunks.append(SeqChunk([outs[i][-1]], pos, blocks[i]))
-            who.append(i)
+                decodes.append(SeqChunk([outs[i][-1]], pos, blocks[i], is_prefill=False))
+                who_decode.append(i)
+        chunks, who = prefills + decodes, who_prefill + who_decode
         logits = runner.execute(chunks)
         for i, tok in zip(who, sample(logits, [rows[i] for i in who])):
             outs[i].append(tok)

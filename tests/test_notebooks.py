@@ -10,7 +10,10 @@
   exercise passes unsolved, and no explanation cell depends on an answer;
 * the grading command reports a student notebook's failures cell by cell.
 
-plus fast unit tests of the generator and of the chapters' graders. The module is marked
+plus fast unit tests of the generator. The graders have their own tables
+(``tests/test_exercises.py``, ``tests/test_exercises_ch4_8.py``), and the run of each student
+notebook is also scanned for answers printed before their check (``tests/test_answer_leaks.py``
+scans the sources). The module is marked
 ``notebook``; the tests that run notebooks are also ``slow`` (the whole lab runs twice:
 ~3.5 min on 2 idle cores). Notebooks that use the real model are skipped, with the reason,
 when it is not cached (``make model``).
@@ -30,6 +33,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
 pytest.importorskip("nbval")
+
+from test_answer_leaks import declared_forms, leaks  # noqa: E402
 
 from labkit.notebooks import (CHECK_PREFIX, DEFAULT_HINT, NotebookError, Paths, check,  # noqa: E402
                               dumps, generate, is_check_cell, is_solution_cell, is_stub_cell, read,
@@ -151,6 +156,9 @@ def test_student_notebook_fails_only_in_check_cells(path):
     passing_checks = sorted(checks - set(failed))
     assert not passing_checks, ("check cells pass in the unsolved notebook: "
                                 + ", ".join(f"cell {i}" for i in passing_checks))
+    forms, _ = declared_forms()
+    printed = leaks(nb, forms, f"notebooks/{path.name}, run unsolved")
+    assert not printed, "a cell prints an exercise's answer before its check:\n" + "\n".join(printed)
 
 
 @pytest.mark.slow
@@ -259,131 +267,3 @@ def test_generate_check_strip_and_verify(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "01_x.ipynb").write_text(dumps(submitted))
     assert any("edited" in p for p in verify_submission(tmp_path / "sub" / "01_x.ipynb", paths))
-
-
-# ---- the graders of chapters 0-6, on right and wrong answers ---------------------------------------
-def _fails(grader, *args, match: str):
-    with pytest.raises(AssertionError, match=match):
-        grader(*args)
-
-
-def test_memory_arithmetic_graders(capsys):
-    from labkit.exercises.engine import check_70b_requests, check_fork_copies, check_kv_bytes_70b, check_prefix_reuse
-    check_kv_bytes_70b(327_680)
-    check_kv_bytes_70b("320 KiB")
-    _fails(check_kv_bytes_70b, 163_840, match="key AND a value")
-    _fails(check_kv_bytes_70b, 2_621_440, match="KV heads")
-    check_70b_requests("1.25 GiB", 33)
-    _fails(check_70b_requests, "320 MB", 140, match="seed article")
-    _fails(check_70b_requests, 4096 * 327_680, 140, match="seed's number")
-    check_prefix_reuse(992, 58)
-    _fails(check_prefix_reuse, 1000, 50, match="Only full blocks")
-    check_fork_copies(6, 3)
-    _fails(check_fork_copies, 7, 4, match="reference count 1")
-    assert capsys.readouterr().out.count("✓") == 5
-
-
-def test_batching_graders(capsys):
-    from labkit.exercises.batching import (EX43_SIM, EX43_TRACE, check_smallest_pool, check_static_batch,
-                                           ex43_preemptions)
-    from labkit.sim import synthetic_trace
-    check_static_batch(40, 0.5)
-    _fails(check_static_batch, 41, 0.5, match="no extra prefill")
-    _fails(check_static_batch, 40, 0.2, match="busy_fraction")
-    bs = EX43_SIM["block_size"]
-    n = max(-(-(r.prompt_len + r.output_len) // bs) for r in synthetic_trace(**EX43_TRACE))
-    while ex43_preemptions(n):          # the boundary depends on the cost model's calibration
-        n += 1
-    check_smallest_pool(n)
-    _fails(check_smallest_pool, n + 8, match="Look lower")
-    _fails(check_smallest_pool, n - 1, match="still preempts")
-    assert capsys.readouterr().out.count("✓") == 2
-
-
-def test_speedup_grader():
-    from labkit.exercises.engine import check_speedup
-    measured = {"labkit": {"wall_s": 2.0, "output_tokens": 100}, "hf-static": {"wall_s": 4.0, "output_tokens": 100}}
-    check_speedup(measured, 2.0)
-    _fails(check_speedup, measured, 0.5, match="hf-static over labkit")
-
-
-def test_bughunt_graders():
-    from labkit.exercises import bughunt as B
-
-    def generated(impl):
-        m = impl.BlockManager(num_gpu_blocks=8, block_size=4)
-        s = impl.Scheduler(m)
-        r = impl.SequenceRequest("a", prompt_tokens=list(range(6)), max_tokens=10)
-        s.add_request(r)
-        while not r.is_finished:
-            s.schedule_iteration()
-            assert r.is_finished or len(r.block_table) * m.block_size >= r.num_tokens, "no slot"
-
-    def shared(impl):
-        m = impl.BlockManager(num_gpu_blocks=8, block_size=4)
-        s = impl.Scheduler(m)
-        parent = impl.SequenceRequest("p", prompt_tokens=list(range(8)), max_tokens=2)
-        s.add_request(parent)
-        s.schedule_iteration()
-        child = s.fork(parent, "c")
-        child.max_tokens = 6
-        s.schedule_iteration()
-        new = [m.allocate_block() for _ in range(m.num_free_blocks)]
-        assert not set(new) & set(child.block_table), "stolen"
-
-    def timing(impl):
-        t_small = B.time_allocations(impl.BlockManager(num_gpu_blocks=1_000), 1_000)
-        t_large = B.time_allocations(impl.BlockManager(num_gpu_blocks=200_000), 1_000)
-        assert t_large < 10 * t_small, "slow"
-
-    B.check_generated_tokens_test(generated)
-    B.check_shared_blocks_test(shared)
-    B.check_free_list_test(timing)
-    _fails(B.check_generated_tokens_test, shared, match="no other")      # exposes another flaw
-    _fails(B.check_shared_blocks_test, lambda impl: None, match="passes on the naive")
-
-    def stub(impl):
-        raise NotImplementedError
-
-    _fails(B.check_free_list_test, stub, match="write the test")
-
-
-def test_kernel_graders():
-    import math
-
-    import torch
-
-    from labkit.exercises.kernels import check_online_softmax, check_paged_decode, check_slot_mapping
-
-    def slots(bt, lens, bs):
-        pos = lens.long() - 1
-        return bt.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
-
-    def step(m, l, acc, s, v):
-        m_new = torch.maximum(m, s.max(dim=1).values)
-        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
-        return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
-
-    def no_rescale(m, l, acc, s, v):
-        m_new, l_new, _ = step(m, l, acc, s, v)
-        return m_new, l_new, acc + torch.exp(s - m_new[:, None]) @ v
-
-    def decode(q, k_cache, v_cache, table, n, scale):
-        bs, kvh = k_cache.shape[1], k_cache.shape[2]
-        g = q.shape[0] // kvh
-        out = torch.empty_like(q)
-        for h in range(kvh):
-            rows = q[h * g:(h + 1) * g]
-            m, l, acc = torch.full((g,), -math.inf), torch.zeros(g), torch.zeros(g, q.shape[1])
-            for i in range(math.ceil(n / bs)):
-                k = k_cache[int(table[i]), :min(bs, n - i * bs), h]
-                v = v_cache[int(table[i]), :min(bs, n - i * bs), h]
-                m, l, acc = step(m, l, acc, rows @ k.T * scale, v)
-            out[h * g:(h + 1) * g] = acc / l[:, None]
-        return out
-
-    check_slot_mapping(slots)
-    _fails(check_slot_mapping, lambda bt, lens, bs: lens - 1, match="positions")
-    check_online_softmax(step)
-    _fails(check_online_softmax, no_rescale, match="acc is not rescaled")
-    check_paged_decode(decode)

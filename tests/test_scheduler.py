@@ -34,8 +34,8 @@ def check_step(engine: Engine, plan) -> None:
     bs = alloc.block_size
     for item in plan.scheduled:
         table = item.seq.block_table
-        assert table.num_tokens == item.start + item.num_new_tokens
-        for b in range(item.start // bs, (item.start + item.num_new_tokens - 1) // bs + 1):
+        assert table.num_tokens == item.num_computed_tokens + item.num_new_tokens
+        for b in range(item.num_computed_tokens // bs, (item.num_computed_tokens + item.num_new_tokens - 1) // bs + 1):
             assert alloc.ref_count(table.block_ids[b]) == 1, (item.seq, b)
     for seq in sched.waiting:
         assert seq.block_table is None and seq.status is Status.WAITING
@@ -86,7 +86,7 @@ def test_random_workloads_keep_every_invariant(workload, block_size, max_num_seq
     num_blocks = -(-longest // block_size) + 1 + spare_blocks     # tight: preemption happens
     alloc = BlockAllocator(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     sched = Scheduler(alloc, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    engine = Engine(sched, SimExecutor(vocab_size=100), keep_records=False)
+    engine = Engine(sched, SimExecutor(vocab_size=1000), keep_records=False)
     arrivals, aborts, expected = collections.defaultdict(list), collections.defaultdict(list), {}
     for i, (plen, max_tokens, at, n, abort_at) in enumerate(workload):
         prompt = [(7 * j) % 50 for j in range(min(shared_prefix, plen))] + [100 + i] * max(0, plen - shared_prefix)
@@ -176,7 +176,7 @@ def test_finished_request_frees_blocks_and_a_waiting_one_joins_next_iteration():
     engine.add_request([2] * 4, SamplingParams(max_tokens=10, ignore_eos=True), request_id="long")
     late = engine.add_request([3] * 4, SamplingParams(max_tokens=3, ignore_eos=True), request_id="late")
     steps_done = 0
-    while short.finish_time is None:
+    while short.finished_time is None:
         engine.step()
         steps_done += 1
     assert engine.scheduler.num_waiting == 1          # "late" waited: max_num_seqs=2
@@ -205,7 +205,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_mixes_decodes():
 def test_prefix_cache_hits_cut_blocks_and_compute():
     alloc = BlockAllocator(64, 16, enable_prefix_caching=True)
     sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=512)
-    engine = Engine(sched, SimExecutor(vocab_size=10))
+    engine = Engine(sched, SimExecutor(vocab_size=1000))
     system = list(range(64))
     engine.add_request(system + [100, 101], SamplingParams(max_tokens=2, ignore_eos=True), request_id="a")
     drive(engine)
@@ -273,10 +273,10 @@ def test_static_batch_holds_memory_until_its_longest_request_ends():
     engine.step()
     reserved = alloc.num_used_blocks
     assert reserved == 2 + 4                  # ceil(6/4) + ceil(14/4): the maximum lengths, up front
-    while a.finish_time is None:
+    while a.finished_time is None:
         engine.step()
     assert alloc.num_used_blocks == reserved  # a is done but its reservation is held
-    while b.finish_time is None:
+    while b.finished_time is None:
         engine.step()
         assert c.first_scheduled_time is None  # nothing joins a running static batch
     assert alloc.num_used_blocks == 0
@@ -292,6 +292,6 @@ def test_static_and_continuous_share_the_engine_and_continuous_wins():
     for m in (cont, stat):
         assert m["finished"] == 200 and m["leaked_blocks"] == 0
         assert m["output_tokens"] == sum(r.output_len for r in trace)
-    assert cont["kv_utilization_mean"] > 0.9 > 0.5 > stat["kv_utilization_mean"]
+    assert cont["held_slot_fill_mean"] > 0.9 > 0.5 > stat["held_slot_fill_mean"]
     assert cont["peak_running"] > stat["peak_running"]
     assert cont["output_tok_per_s"] > stat["output_tok_per_s"]

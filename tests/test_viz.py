@@ -210,7 +210,7 @@ def test_output_fallback_in_colab(monkeypatch):
     w.add_request(prompt_len=3, max_tokens=2)
     w.step()
     assert "step 1" in w.status.value
-    assert w.recording[-1]["status"]["step"] == 1
+    assert w.recording[-1]["status"]["num_steps"] == 1
 
 
 # ---- replay and export ----------------------------------------------------------------
@@ -219,9 +219,9 @@ def test_record_trace_and_export_html(tmp_path):
     rec, result = viz.record_trace(trace, num_blocks=16, block_size=4)
     assert len(rec) == len(result.records) + 1
     assert result.metrics["leaked_blocks"] == 0
-    assert rec[-1]["status"]["used_blocks"] == 0
+    assert rec[-1]["status"]["num_used_blocks"] == 0
     for snap, record in zip(rec.snapshots[1:], result.records):
-        assert snap["status"]["used_blocks"] == record.num_used_blocks
+        assert snap["status"]["num_used_blocks"] == record.num_used_blocks
         assert sum(s != "used" for s in snap["pool"]["state"]) == record.num_free_blocks
     fig = viz.replay_figure(rec)
     assert len(fig.frames) == len(rec)
@@ -261,7 +261,7 @@ def test_timeline_data_matches_records():
         for k, rec in enumerate(res.records):
             for rid, _i, _n, phase in rec.ran:
                 assert d["cells"][rid][k] == phase
-        assert d["kv"]["used_blocks"] == [rec.num_used_blocks for rec in res.records]
+        assert d["kv"]["num_used_blocks"] == [rec.num_used_blocks for rec in res.records]
 
 
 def test_timeline_shows_preemptions():
@@ -280,7 +280,7 @@ def test_compare_schedulers_figure():
     trace = synthetic_trace("alpaca", 8, rate=20, seed=1, max_len=200)
     fig = viz.compare_schedulers(trace, num_blocks=64, block_size=16, max_model_len=256, max_num_seqs=4)
     names = {t.name for t in fig.data}
-    assert {"prefill", "decode", "waiting", "KV blocks held (% of pool)"} <= names
+    assert {"prefill", "decode", "waiting", "KV cache usage (% of blocks held)"} <= names
     assert "static batching" in fig.layout.annotations[0].text
     assert "continuous batching" in fig.layout.annotations[1].text
     fig_steps = viz.timeline_figure(viz.simulate_policies(trace, ("continuous",), num_blocks=64), x="step")

@@ -188,12 +188,12 @@ def test_live_paged_waste_counts_shared_blocks_once():
     w = live_paged_waste(allocator, [parent] + children)
     assert (w.token_slots, w.internal_fragmentation, w.logical_tokens) == (10, 2, 40)
     assert w.sharing_savings == 30 and w.free_slots == 13 * 4 and w.total_slots == 64
-    assert w.utilization == pytest.approx(allocator.kv_utilization)
+    assert w.utilization == pytest.approx(allocator.held_slot_fill)
     for i, child in enumerate(children):
         child.append_tokens([100 + i])            # copy-on-write of the shared last block
     w = live_paged_waste(allocator, [parent] + children)
     assert w.token_slots == 8 + 4 * 2 + 3 and allocator.num_used_blocks == 2 + 4
-    assert w.utilization == pytest.approx(allocator.kv_utilization)
+    assert w.utilization == pytest.approx(allocator.held_slot_fill)
     with pytest.raises(ValueError, match="every live table"):
         live_paged_waste(allocator, [parent])
 

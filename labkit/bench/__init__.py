@@ -1,1 +1,1 @@
-"""Benchmarks: ``python -m labkit.bench {memory,sim,kernels,serve,http,disagg}``."""
+"""Benchmarks: ``python -m labkit.bench {memory,sim,kernels,step,serve,http,disagg}``."""

@@ -1,13 +1,7 @@
 """``python -m labkit.bench WHAT [options]``: every measurement labkit reports, in one CLI.
 
-    memory   allocator / block table / prefix cache throughput
-    sim      a trace through the real scheduler with the simulator (continuous vs static)
-    kernels  the paged-attention kernels against a torch baseline (GPU timings need a GPU)
-    serve    the real engine against Hugging Face (and vLLM if installed) on one workload
-    http     the OpenAI-compatible server under concurrent streaming clients
-    disagg   prefill/decode interference, chunked prefill and disaggregation (simulated)
-
-``python -m labkit.bench WHAT --help`` shows each one's options.
+``COMMANDS`` names each benchmark and what it measures; ``python -m labkit.bench`` (or
+``--help``) lists them, ``python -m labkit.bench WHAT --help`` shows one's options.
 """
 
 from __future__ import annotations
@@ -15,17 +9,40 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = ("memory", "sim", "kernels", "serve", "http", "disagg")
+COMMANDS = {
+    "memory": "allocator / block table / prefix cache throughput",
+    "sim": "a trace through the real scheduler with the simulator (continuous vs static)",
+    "kernels": "the paged-attention kernels against a torch baseline (GPU timings need a GPU)",
+    "serve": "the real engine against Hugging Face (and vLLM if installed) on one workload",
+    "http": "the OpenAI-compatible server under concurrent streaming clients",
+    "disagg": "prefill/decode interference, chunked prefill and disaggregation (simulated)",
+    "step": "one engine iteration (a decode batch, a long prefill) and attention's share of it",
+}
+
+
+def usage() -> str:
+    """The help text: plain words for a terminal (no reStructuredText markup)."""
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
+    return "\n".join(["usage: python -m labkit.bench WHAT [options]", "",
+                      "Every measurement labkit reports, in one CLI. WHAT is one of:", "", *lines, "",
+                      "python -m labkit.bench WHAT --help shows each one's options."])
+
+
+def plain(doc: str | None) -> str | None:
+    """A docstring as terminal text: without reStructuredText's double backticks."""
+    return doc.replace("``", "") if doc else doc
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0 if argv else 2
+        print(usage())
+        return 0 if argv else 2          # no benchmark named: the help, and a failing status
     what, rest = argv[0], argv[1:]
     if what not in COMMANDS:
-        print(f"unknown benchmark {what!r}; choose from: {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"unknown benchmark {what!r}; choose from: {', '.join(COMMANDS)}\n"
+              "(python -m labkit.bench --help says what each one measures)", file=sys.stderr)
         return 2
     try:
         module = importlib.import_module(f"labkit.bench.{what}")
@@ -34,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"the {what!r} benchmark is not available in this version of labkit", file=sys.stderr)
             return 2
         raise
+    module.__doc__ = plain(module.__doc__)      # its --help shows its docstring, in a terminal
     return module.main(rest)
 
 

@@ -12,6 +12,11 @@ output token (TPOT: first -> last token, per token after the first), p50 and p99
 
 Loopback only: the benchmark refuses other hosts. With ``--model`` it runs
 ``python -m labkit serve`` in a subprocess on a free loopback port, and stops it after.
+
+``--classroom`` simulates a class sharing one server (``docs/classroom.md``): it starts a
+server with one API key per student and a per-key cap, runs the students' polite workload
+alone, then again beside one misbehaving key (the hog), and compares the students' time to
+first token. See ``classroom`` below for the scenario.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ import json
 import os
 import random
 import re
+import secrets
 import shlex
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from urllib.parse import urlparse
 
 from ..utils import percentile
@@ -63,13 +71,14 @@ def _check_loopback(url: str) -> None:
                          "targets servers on this machine (127.0.0.1, ::1, localhost)")
 
 
-async def _one(http, url: str, model: str, prompt: list[int], max_tokens: int) -> Sample:
+async def _one(http, url: str, model: str, prompt: list[int], max_tokens: int,
+               headers: dict | None = None) -> Sample:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
     s = Sample(ok=False, sent=time.perf_counter())
     try:
-        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        async with http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 s.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return s
@@ -188,6 +197,341 @@ def _row(r: dict) -> str:
     return line
 
 
+# ---- a class sharing one server --------------------------------------------------------
+@dataclass(slots=True)
+class Classroom:
+    """A class on one server: ``num_keys`` students, each with ``concurrency`` requests
+    in flight at most, ``requests_per_key`` streaming requests in all, the first ones
+    spread over ``spread_s``, then ``think_s`` (at most, uniform) between one answer and
+    the next question.
+
+    The hog (its own key, its own process) meanwhile: ``hog_flood`` workers send long
+    requests back to back, retrying a 429 after 10 ms whatever ``Retry-After`` says;
+    ``hog_unread`` streams (n=2, long) it never reads, from sockets with a 4 KiB receive
+    buffer (the issue's attack: 80 sequences, more than the batch); ``hog_oversized``
+    2 MiB bodies; ``hog_bad_keys`` requests with a wrong key and as many without one;
+    ``hog_idle`` connections that send nothing. Every loop is bounded in count and time."""
+
+    num_keys: int = 30
+    concurrency: int = 2
+    requests_per_key: int = 3
+    prompt_len: int = 32
+    max_tokens: int = 16
+    think_s: float = 0.3
+    spread_s: float = 1.0                 # first questions spread over this long, not one burst
+    cap: int = 4                          # the server's --max-concurrent-per-key
+    hog_flood: int = 8
+    hog_max_tokens: int = 400
+    hog_unread: int = 40
+    hog_oversized: int = 3
+    hog_bad_keys: int = 10
+    hog_idle: int = 4
+    stall_timeout_s: float = 3.0
+    header_timeout_s: float = 2.0
+    timeout_s: float = 300.0              # the whole scenario, per phase
+
+    def server_args(self, keys_file: str) -> list[str]:
+        return ["--api-keys-file", keys_file, "--max-concurrent-per-key", str(self.cap),
+                "--max-tokens-limit", str(self.hog_max_tokens), "--stall-timeout", str(self.stall_timeout_s),
+                "--header-timeout", str(self.header_timeout_s), "--num-blocks", "1024"]
+
+
+def classroom_keys(num_keys: int) -> dict[str, str]:
+    """``{name: key}``: ``student01``..., and ``hog``; fresh random keys each run."""
+    names = [f"student{i + 1:02d}" for i in range(num_keys)] + ["hog"]
+    return {name: f"sk-labkit-{secrets.token_hex(12)}" for name in names}
+
+
+async def _polite(http, url: str, model: str, key: str, prompts: list[list[int]], c: Classroom,
+                  rng: random.Random) -> list[Sample]:
+    headers = {"Authorization": f"Bearer {key}"}
+    todo = list(prompts)
+    samples: list[Sample] = []
+
+    async def worker():
+        await asyncio.sleep(rng.uniform(0, c.spread_s))
+        while todo:
+            prompt = todo.pop()
+            samples.append(await _one(http, url, model, prompt, c.max_tokens, headers))
+            await asyncio.sleep(rng.uniform(0, c.think_s))
+
+    await asyncio.gather(*(worker() for _ in range(c.concurrency)))
+    return samples
+
+
+async def _hog(http, url: str, model: str, key: str, c: Classroom, stop: asyncio.Event) -> dict:
+    """The misbehaving key, until ``stop`` (or its own bounds). Returns what it got."""
+    statuses: dict[str, int] = {}
+    host, port = urlparse(url).hostname, urlparse(url).port
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": c.hog_max_tokens, "ignore_eos": True}
+
+    def count(what) -> None:
+        statuses[str(what)] = statuses.get(str(what), 0) + 1
+
+    async def flood():
+        for _ in range(10_000):
+            if stop.is_set():
+                return
+            try:
+                r = await http.post(url + "/v1/completions", json=body, headers=auth)
+                count(r.status_code)
+                if r.status_code == 429:
+                    await asyncio.sleep(0.01)
+            except Exception as e:  # noqa: BLE001 - the hog does not care; count it
+                count(type(e).__name__)
+                await asyncio.sleep(0.05)
+
+    async def oversized():
+        big = b'{"prompt": "' + b"x" * (2 << 20) + b'"}'
+        for _ in range(c.hog_oversized):
+            try:
+                r = await http.post(url + "/v1/completions", content=big,
+                                    headers={**auth, "Content-Type": "application/json"})
+                count(r.status_code)
+            except Exception as e:  # noqa: BLE001
+                count(type(e).__name__)
+
+    async def bad_keys():
+        for i in range(2 * c.hog_bad_keys):
+            headers = {"Authorization": f"Bearer sk-guess-{i}"} if i % 2 else {}
+            r = await http.post(url + "/v1/completions", json={**body, "max_tokens": 1}, headers=headers)
+            count(r.status_code)
+
+    loop = asyncio.get_running_loop()
+    socks: list[socket.socket] = []
+
+    async def raw(payload: bytes) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        socks.append(sock)
+        await loop.sock_connect(sock, (host, port))
+        if payload:
+            await loop.sock_sendall(sock, payload)
+
+    unread = json.dumps({**body, "stream": True, "n": 2, "return_token_ids": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(unread)}\r\n\r\n").encode()
+    async def cut(sock: socket.socket) -> None:
+        """What a silent connection finally gets (a 408, once header_timeout_s has passed)."""
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(sock, 1024), c.header_timeout_s + 10)
+            count(data.split(b" ")[1].decode() if data.startswith(b"HTTP/1.1 ") else "closed")
+        except (asyncio.TimeoutError, OSError) as e:
+            count(type(e).__name__)
+
+    tasks: list[asyncio.Future] = []
+    try:
+        for _ in range(c.hog_idle):
+            await raw(b"")
+        idle = list(socks)
+        for _ in range(c.hog_unread):
+            await raw(head + unread)
+        tasks = [asyncio.ensure_future(t) for t in (bad_keys(), oversized(), *(flood() for _ in range(c.hog_flood)))]
+        await stop.wait()
+        await asyncio.gather(*(cut(sock) for sock in idle))
+    finally:
+        for t in tasks:                   # the students are done: so is the hog (its requests abort)
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sock in socks:
+            sock.close()
+    return {"statuses": dict(sorted(statuses.items())), "unread_streams": c.hog_unread,
+            "idle_connections": c.hog_idle}
+
+
+def _hog_main(url: str, model: str, key: str, scenario: dict, started, stop, out) -> None:
+    """The hog's process: run ``_hog`` until the parent sets ``stop``; report on ``out``."""
+    import httpx
+
+    async def main():
+        done = asyncio.Event()
+
+        async def watch():
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            done.set()
+
+        watcher = asyncio.ensure_future(watch())
+        c = Classroom(**scenario)
+        limits = httpx.Limits(max_connections=c.hog_flood + 8)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=10), limits=limits) as http:
+            asyncio.get_running_loop().call_later(0.5, started.set)
+            report = await _hog(http, url, model, key, c, done)
+        watcher.cancel()
+        return report
+
+    out.put(asyncio.run(main()))
+
+
+class _HogProcess:
+    """The hog in a process of its own, as on another student's machine: its loops must
+    not slow the students' client (and their measured TTFT) inside this process."""
+
+    def __init__(self, url: str, model: str, key: str, c: Classroom):
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self._started, self._stop, self._out = ctx.Event(), ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(target=_hog_main, daemon=True,
+                                 args=(url, model, key, asdict(c), self._started, self._stop, self._out))
+        self._proc.start()
+
+    async def started(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._started.is_set():
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the hog process did not start")
+            await asyncio.sleep(0.05)
+
+    def stop(self, timeout: float = 60.0) -> dict | None:
+        self._stop.set()
+        try:
+            return self._out.get(timeout=timeout)
+        except Exception:  # noqa: BLE001 - queue.Empty: it did not report in time
+            return None
+        finally:
+            self._proc.join(5)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+
+
+async def _classroom_phase(url: str, model: str, vocab: int, keys: dict[str, str], c: Classroom,
+                           with_hog: bool, seed: int) -> dict:
+    import httpx
+    rng = random.Random(seed)
+    lo = min(3, vocab - 1)
+    students = [name for name in keys if name != "hog"]
+    prompts = {n: [[rng.randrange(lo, vocab) for _ in range(c.prompt_len)] for _ in range(c.requests_per_key)]
+               for n in students}
+    limits = httpx.Limits(max_connections=len(students) * c.concurrency + 8)
+    hog = _HogProcess(url, model, keys["hog"], c) if with_hog else None
+    hog_report = None
+    try:
+        if hog is not None:
+            await hog.started()               # the hog is at it before the students arrive
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=10), limits=limits) as http:
+            start = time.perf_counter()
+            try:
+                per_key = await asyncio.wait_for(asyncio.gather(
+                    *(_polite(http, url, model, keys[n], prompts[n], c, random.Random(f"{seed}-{n}"))
+                      for n in students)), c.timeout_s)
+            finally:
+                wall = time.perf_counter() - start
+    finally:
+        if hog is not None:
+            hog_report = hog.stop()
+    samples = [s for ss in per_key for s in ss]
+    ok = [s for s in samples if s.ok]
+    ttft = [s.ttft for s in ok if s.ttft is not None]
+    latency = [s.done - s.sent for s in ok if s.done is not None]
+    errors = [s.error for s in samples if not s.ok]
+    polite = {"num_keys": len(students), "num_requests": len(samples), "num_ok": len(ok),
+              "num_failed": len(errors), "first_error": errors[0] if errors else None,
+              "duration_s": wall, "ttft_p50_ms": _ms(percentile(ttft, 50)),
+              "ttft_p99_ms": _ms(percentile(ttft, 99)), "ttft_max_ms": _ms(max(ttft, default=float("nan"))),
+              "latency_p99_ms": _ms(percentile(latency, 99))}
+    return {"polite": polite, "hog": hog_report}
+
+
+def _wait_idle(url: str, headers: dict, timeout: float = 60.0) -> dict[str, float]:
+    """/metrics once nothing runs, waits or is held (KV blocks, the gate)."""
+    import httpx
+
+    from ..server.metrics import parse_metrics
+    deadline = time.monotonic() + timeout
+    while True:
+        m = parse_metrics(httpx.get(url + "/metrics", headers=headers, timeout=10).text)
+        if (m["labkit_kv_blocks_used"] == 0 and m["labkit_num_requests_running"] == 0
+                and m["labkit_num_requests_pending"] == 0 and m["labkit_gate_in_flight"] == 0
+                and m["labkit_gate_queued"] == 0):
+            return m
+        if time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def run_classroom(url: str, keys: dict[str, str], c: Classroom, seed: int = 0) -> dict:
+    """Both phases against a server started with ``c.server_args`` and ``keys``: the
+    students alone, then the students beside the hog. Returns both phases' figures, the
+    hog's answers, and the server's numbers once idle again. The hog runs in a spawned
+    process: call this from under ``if __name__ == "__main__":`` in a script."""
+    headers = {"Authorization": f"Bearer {keys['hog']}"}
+    import httpx
+    data = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]
+    model, vocab = data["id"], int(data.get("vocab_size") or 256)
+    warm = Classroom(num_keys=c.num_keys, concurrency=c.concurrency, requests_per_key=1, prompt_len=c.prompt_len,
+                     max_tokens=c.max_tokens, think_s=0.0, spread_s=0.0)
+    asyncio.run(_classroom_phase(url, model, vocab, keys, warm, False, -1))   # warm-up: every batch size
+    _wait_idle(url, headers)
+    baseline = asyncio.run(_classroom_phase(url, model, vocab, keys, c, False, seed))
+    _wait_idle(url, headers)
+    with_hog = asyncio.run(_classroom_phase(url, model, vocab, keys, c, True, seed))
+    m = _wait_idle(url, headers)
+    polite_429 = sum(v for k, v in m.items()
+                     if k.startswith("labkit_key_errors_total") and 'status="429"' in k and 'key="hog"' not in k)
+    server = {
+        "kv_blocks_total": m["labkit_kv_blocks_total"], "kv_blocks_free": m["labkit_kv_blocks_free"],
+        "kv_blocks_used": m["labkit_kv_blocks_used"], "gate_in_flight": m["labkit_gate_in_flight"],
+        "pool_whole": m["labkit_kv_blocks_used"] == 0 and m["labkit_kv_blocks_free"] == m["labkit_kv_blocks_total"],
+        "hog_requests": m.get('labkit_key_requests_total{key="hog"}', 0),
+        "hog_429": m.get('labkit_key_errors_total{key="hog",status="429"}', 0),
+        "hog_413": m.get('labkit_key_errors_total{key="hog",status="413"}', 0),
+        "hog_streams_stalled": m.get('labkit_key_streams_stalled_total{key="hog"}', 0),
+        "students_429": polite_429,
+        "unauthorized": sum(v for k, v in m.items() if k.startswith("labkit_unauthorized_total")),
+        "connections_cut_header_timeout": m['labkit_connections_cut_total{reason="header_timeout"}'],
+        "connections_cut_stalled": m['labkit_connections_cut_total{reason="stalled"}'],
+    }
+    base, hog = baseline["polite"]["ttft_p99_ms"], with_hog["polite"]["ttft_p99_ms"]
+    return {"model": model, "url": url, "scenario": asdict(c), "baseline": baseline, "with_hog": with_hog,
+            "ttft_p99_ratio": hog / base if base and hog else None, "server": server}
+
+
+def _classroom_table(r: dict) -> str:
+    rows = [f"{r['model']} at {r['url']}: {r['scenario']['num_keys']} students x "
+            f"{r['scenario']['requests_per_key']} streaming requests ({r['scenario']['concurrency']} at a time, "
+            f"{r['scenario']['max_tokens']} tokens), per-key cap {r['scenario']['cap'] or 'none'}",
+            f"{'phase':<10} {'reqs':>5} {'ok':>4} {'failed':>6} {'time s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'TTFT max':>9}  (ms)"]
+    for phase in ("baseline", "with_hog"):
+        p = r[phase]["polite"]
+        f = lambda x: f"{'-':>9}" if x is None else f"{x:9.1f}"  # noqa: E731
+        rows.append(f"{phase:<10} {p['num_requests']:>5} {p['num_ok']:>4} {p['num_failed']:>6} "
+                    f"{p['duration_s']:>7.2f} {f(p['ttft_p50_ms'])} {f(p['ttft_p99_ms'])} {f(p['ttft_max_ms'])}")
+        if p["first_error"]:
+            rows.append(f"           first failure: {p['first_error']}")
+    ratio = r["ttft_p99_ratio"]
+    rows.append(f"students' TTFT p99 with the hog / without: {ratio:.2f}x" if ratio else "TTFT ratio: -")
+    rows.append(f"hog's answers (client side): {r['with_hog']['hog']['statuses']}")
+    s = r["server"]
+    rows.append(f"server: hog 429s {s['hog_429']:.0f}, 413s {s['hog_413']:.0f}, streams cut for stalling "
+                f"{s['hog_streams_stalled']:.0f}; 401s {s['unauthorized']:.0f}; idle connections cut "
+                f"{s['connections_cut_header_timeout']:.0f}; students' 429s {s['students_429']:.0f}; "
+                f"KV pool {'whole' if s['pool_whole'] else 'NOT whole'} "
+                f"({s['kv_blocks_free']:.0f}/{s['kv_blocks_total']:.0f} free)")
+    return "\n".join(rows)
+
+
+def classroom_main(args, c: Classroom) -> int:
+    """``--classroom``: start a server with a fresh keys file, run, print, stop."""
+    keys = classroom_keys(c.num_keys)
+    with tempfile.TemporaryDirectory(prefix="labkit-classroom-") as tmp:
+        path = os.path.join(tmp, "keys.txt")
+        with open(path, "w") as f:
+            f.write("".join(f"{name}:{key}\n" for name, key in keys.items()))
+        proc, url = _start_server(args.model or "tiny-llama", c.server_args(path) + shlex.split(args.server_args))
+        try:
+            result = run_classroom(url, keys, c, args.seed)
+        finally:
+            _stop_server(proc)
+    print(json.dumps(result, indent=2) if args.json else _classroom_table(result))
+    ok = (result["with_hog"]["polite"]["num_failed"] == 0 and result["baseline"]["polite"]["num_failed"] == 0
+          and result["server"]["pool_whole"] and (result["server"]["hog_429"] > 0 or not c.cap))
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m labkit.bench http", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -201,7 +545,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    k = p.add_argument_group("--classroom: a class sharing one server, with and without a misbehaving key")
+    k.add_argument("--classroom", action="store_true",
+                   help="run the classroom scenario (starts its own server: --model, default tiny-llama)")
+    default = Classroom()
+    k.add_argument("--students", type=int, default=default.num_keys, help="polite keys (default %(default)s)")
+    k.add_argument("--requests-per-student", type=int, default=default.requests_per_key,
+                   help="streaming requests per student (default %(default)s)")
+    k.add_argument("--cap", type=int, default=default.cap,
+                   help="the server's --max-concurrent-per-key (default %(default)s; 0: no cap, no "
+                        "round-robin, to see what the gate prevents)")
     args = p.parse_args(argv)
+    if args.classroom:
+        if args.url:
+            p.error("--classroom starts its own server with the keys it needs: use --model, not --url")
+        if args.students < 1 or args.requests_per_student < 1 or (args.cap != 0 and args.cap < 2):
+            p.error("--students and --requests-per-student must be >= 1, --cap >= 2 (or 0: no gate)")
+        return classroom_main(args, Classroom(num_keys=args.students, requests_per_key=args.requests_per_student,
+                                              cap=args.cap))
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:

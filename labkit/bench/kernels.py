@@ -11,9 +11,11 @@ batch sizes and context lengths and reports, per shape:
   ``scaled_dot_product_attention`` (exactly ``paged_decode_attention_ref``).
 
 On a CPU there is nothing to time for Triton (its interpreter is a debugging tool, not a
-kernel): the torch reference runs on a few small shapes instead. ``--ref-cpu`` times the
-reference at the CPU engine's own hot-path shape (SmolLM2-135M: fp32, 9 query / 3 KV heads,
-head_dim 64, block size 16; batch 64 at context 512 unless told otherwise).
+kernel): the CPU decode kernel (``paged_decode_attention_cpu``, Numba, reading the paged
+cache in place: the engine's decode on a CPU) and the torch reference run on a few small
+shapes instead. ``--ref-cpu`` times both at the CPU engine's own shape (SmolLM2-135M: fp32,
+9 query / 3 KV heads, head_dim 64, block size 16; batch 64 at context 512 unless told
+otherwise) and multiplies by the model's 30 layers.
 """
 
 import argparse
@@ -26,9 +28,12 @@ import torch
 
 from labkit.kernels import (
     paged_decode_attention,
+    paged_decode_attention_cpu,
     paged_decode_attention_ref,
     select_attention_backend,
 )
+from labkit.kernels.paged_decode_attention_cpu import HAS_NUMBA
+from labkit.utils import cdiv
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 GPU_BATCHES = [1, 8, 32, 64, 128, 256]
@@ -45,7 +50,7 @@ def make_decode_inputs(batch: int, context: int, num_heads: int, num_kv_heads: i
     over the pool in random order (as after a while of serving). Returns the arguments of
     ``paged_decode_attention``."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    blocks_per_seq = -(-context // block_size)
+    blocks_per_seq = cdiv(context, block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
@@ -106,8 +111,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-cache-gib", type=float, default=24.0,
                    help="skip shapes whose K+V cache exceeds this (GiB)")
     p.add_argument("--ref-cpu", action="store_true",
-                   help="time the torch reference at the CPU engine's shapes (fp32, batch 64, "
-                        "context 512, 9/3 heads, head_dim 64, block 16): the CPU engine's hot path")
+                   help="time the CPU decode kernel and the torch reference at the CPU engine's "
+                        "shapes (fp32, batch 64, context 512, 9/3 heads, head_dim 64, block 16)")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -128,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     backend, reason = select_attention_backend("auto", device)
     use_triton = backend == "triton" and not args.ref_cpu
     on_gpu = device.type == "cuda"
+    use_cpu_kernel = device.type == "cpu" and HAS_NUMBA
     dtype = DTYPES[args.dtype or ("fp32" if args.ref_cpu or not on_gpu else "fp16")]
     if args.ref_cpu:
         batches, contexts, head_dims = args.batch or [64], args.context or [512], args.head_dim or [64]
@@ -145,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                      "context over programs, as flash-decoding does, is the fix)")
     else:
         notes.append("Triton timings need a CUDA GPU of compute capability 8.0+ (the Triton "
-                      "interpreter is not timed): timing the torch reference only")
+                      "interpreter is not timed): timing the "
+                      + ("CPU decode kernel and the " if use_cpu_kernel else "") + "torch reference")
     if device.type == "cpu":
         notes.append(f"CPU threads: {torch.get_num_threads()}")
 
@@ -166,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 if use_triton:
                     ms = time_ms(lambda: paged_decode_attention(*inputs), device, args.warmup, args.repeats)
                     row.update(triton_ms=ms, triton_gbps=moved / ms / 1e6)
+                if use_cpu_kernel and dtype == torch.float32:  # other dtypes fall back to the reference
+                    ms = time_ms(lambda: paged_decode_attention_cpu(*inputs), device, args.warmup, args.repeats)
+                    row.update(cpu_ms=ms, cpu_gbps=moved / ms / 1e6)
                 if not args.no_baseline or not use_triton:
                     try:
                         ms = time_ms(lambda: paged_decode_attention_ref(*inputs), device,
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                     except torch.cuda.OutOfMemoryError:
                         row.update(torch_ms=None, torch_note="out of memory")
                 if args.ref_cpu:
-                    row.update(per_step_ms=row["torch_ms"] * ENGINE_LAYERS)
+                    row.update(per_step_ms=row.get("cpu_ms", row["torch_ms"]) * ENGINE_LAYERS)
                 rows.append(row)
                 del inputs
                 if on_gpu:
@@ -190,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'d':>4} {'batch':>5} {'ctx':>6}"
     if use_triton:
         header += f" {'triton ms':>10} {'GB/s':>8}"
+    if use_cpu_kernel:
+        header += f" {'cpu ms':>10} {'GB/s':>8}"
     header += f" {'torch ms':>10} {'GB/s':>8}"
     if use_triton and not args.no_baseline:
         header += f" {'speedup':>8}"
@@ -203,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if use_triton:
             line += f" {row['triton_ms']:>10.3f} {row['triton_gbps']:>8.1f}"
+        if use_cpu_kernel:
+            line += (f" {row['cpu_ms']:>10.3f} {row['cpu_gbps']:>8.1f}" if "cpu_ms" in row
+                     else f" {'(fp32)':>10} {'':>8}")
         if row.get("torch_ms") is not None:
             line += f" {row['torch_ms']:>10.3f} {row['torch_gbps']:>8.1f}"
             if use_triton:

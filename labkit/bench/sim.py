@@ -18,7 +18,7 @@ from ..memory import BlockAllocator
 from ..sampling_params import SamplingParams
 from ..request import Request
 from ..scheduler import Scheduler
-from ..sim import (LinearCostModel, POLICIES, dummy_token, load_trace, shared_prompt_trace,
+from ..sim import (LinearCostModel, POLICIES, SimExecutor, load_trace, shared_prompt_trace,
                    simulate, synthetic_trace)
 
 
@@ -129,13 +129,13 @@ def measure_overhead(num_running: int, iterations: int = 50) -> dict:
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
     for i in range(num_running):
         sched.add_request(Request(f"r{i}", [1 + (i + j) % 1000 for j in range(100)], params))
+    executor = SimExecutor()
 
     def step() -> tuple[float, float]:
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
-        sampled = [[dummy_token(s.seq.request.request_id, 0, s.start + s.num_new_tokens, 32000)]
-                   * s.num_samples for s in plan.scheduled]
+        sampled = executor.execute(plan).sampled      # dummy tokens, not timed
         t2 = time.perf_counter()
         sched.update(plan, sampled, 0.0)
         return t1 - t0, time.perf_counter() - t2

@@ -1,13 +1,17 @@
 """Exercise graders: one function per exercise, called from the notebooks' check cells.
 
 A grader raises ``AssertionError`` with a hint that teaches on a wrong answer and prints a
-one-line verdict on a right one; expected values come from the real engine. One module
-per chapter (``memory`` for exercises 1-3); ``_grading`` holds the shared helpers for
-reading answers and comparing them "close enough", for the later chapters' graders too.
+one-line verdict on a right one, and answers every other input (None, a wrong type, a
+stub that still raises) with a hint too; expected values come from the real engine.
+``memory`` grades the PagedAttention lesson's three exercises (this lab's 1.3, 2.1 and
+3.3), ``engine`` the engine arithmetic of chapters 0, 1, 3 and 6, ``bughunt`` chapter 2's
+tests, and one module per later chapter the rest. ``_grading`` holds the shared helpers
+for reading answers (units exactly, shares, picks of statements) and comparing them.
+Each grader module's ``answer_forms()`` lists what would give its answers away.
 """
 
-from .memory import (SharedPromptCounts, check_exercise_1, check_exercise_2, check_exercise_3,
-                     shared_prompt_counts)
+from .memory import (SHARING_STATEMENTS, SharedPromptCounts, check_exercise_1, check_exercise_2,
+                     check_exercise_3, shared_prompt_counts)
 
-__all__ = ["check_exercise_1", "check_exercise_2", "check_exercise_3",
+__all__ = ["check_exercise_1", "check_exercise_2", "check_exercise_3", "SHARING_STATEMENTS",
            "SharedPromptCounts", "shared_prompt_counts"]

@@ -12,15 +12,16 @@ import functools
 
 from ..sim import TraceRequest, simulate, synthetic_trace
 from ..sim.roofline import roofline
-from ._grading import check_close, fail, passed, read_count, read_fraction, read_number
+from ..utils import cdiv
+from ._grading import check_close, fail, graded, passed, read_count, read_fraction, read_ratio
 
 # ---- exercise 4.1: one static batch --------------------------------------------------------
 EX41_PROMPT = 10
-EX41_OUTPUTS = (12, 40, 20, 8)
+EX41_OUTPUTS = (12, 40, 28, 8)     # busy and idle shares differ: neither passes for the other
 
 
 def ex41_trace() -> list[TraceRequest]:
-    """Four requests at t=0, 10-token prompts, outputs of 12, 40, 20 and 8 tokens."""
+    """Four requests at t=0, 10-token prompts, outputs of 12, 40, 28 and 8 tokens."""
     return [TraceRequest(EX41_PROMPT, n) for n in EX41_OUTPUTS]
 
 
@@ -34,6 +35,7 @@ def _static_batch() -> tuple[int, float]:
     return len(records), busy
 
 
+@graded("4.1")
 def check_static_batch(iterations: object, busy_fraction: object) -> None:
     """Exercise 4.1: the four requests of ``ex41_trace()`` form one static batch. How many
     iterations does it run, and what fraction of its 4 × iterations sequence slots compute
@@ -47,96 +49,149 @@ def check_static_batch(iterations: object, busy_fraction: object) -> None:
                                         "request's first token: there is no extra prefill iteration."),
                           (total, "The four requests run side by side, not one after another."),
                           (min(EX41_OUTPUTS), "A static batch does not end when its first request "
-                                              "does: it ends with its longest.")],
-                hint="A static batch runs until its longest request has all its tokens; each "
-                     "iteration gives every unfinished request one token.")
+                                              "does: it ends with its longest."),
+                          (longest - 1, "One short: the iteration that computes the prompts samples "
+                                        "each request's first token, and it counts.")],
+                hint="When does a static batch end, and how many tokens does a running request get "
+                     "per iteration?")
     f = read_fraction("busy_fraction", busy_fraction)
-    check_close("busy_fraction", f, busy, rel=0.02,
+    check_close("busy_fraction", f, busy, rel=0.01,
                 mistakes=[(1 - busy, "That is the idle share; the question asks for the busy one."),
-                          (total / (4 * (longest + 1)), "Count the iterations without a separate prefill.")],
-                hint="Busy slots = tokens produced in all (one per request per iteration it runs); "
-                     "all slots = 4 × iterations.")
+                          (total / (4 * (longest + 1)), "Count the iterations without a separate prefill."),
+                          (total / (4 * total), "The batch's slots are 4 per iteration of the batch, not "
+                                                "one per token produced."),
+                          (len(EX41_OUTPUTS) * min(EX41_OUTPUTS) / (4 * longest),
+                           "A request keeps computing until its own last token, not only while all four "
+                           "are unfinished.")],
+                hint="Count the slots in which a request that had not finished yet got a token, "
+                     "out of all the batch's slots over all its iterations.")
     passed(f"{steps} iterations (the longest request's {longest} tokens); {total} of {4 * steps} "
            f"sequence slots did work: {busy:.0%}. The other {1 - busy:.0%} held memory and a batch "
            "slot for requests that had already finished, while others waited.")
 
 
-# ---- exercise 4.2: the speedup depends on the cost model ---------------------------------------
+# ---- exercise 4.2: the pool from which preemption stops --------------------------------------
 #: The trace and the settings of exercise 4.2 (the notebook imports them).
-EX42_TRACE = dict(dataset="sharegpt", num_requests=200, seed=0, max_len=2048)
-EX42_SIM = dict(num_blocks=2048, block_size=16, max_num_seqs=64, max_model_len=2048, reserve="model")
-EX42_GPU = ("llama-3-8b", "a100-80gb")
+EX42_TRACE = dict(dataset="alpaca", num_requests=60, rate=8.0, seed=3, max_len=512)
+EX42_SIM = dict(block_size=16, max_num_seqs=32, max_model_len=512)
 
 
-def ex42_cost_models() -> dict:
-    """The two cost models: the CPU fit (None: the simulator's default) and a GPU roofline."""
-    return {"cpu": None, "gpu": roofline(*EX42_GPU)}
+def _blocks(r: TraceRequest, block_size: int) -> int:
+    """Blocks one request holds at its full length (prompt + output)."""
+    return cdiv(r.prompt_len + r.output_len, block_size)
 
 
 @functools.lru_cache(maxsize=None)
-def ex42_ratios() -> dict[str, float]:
-    """Continuous over static output tokens/s, per cost model, on the exercise's trace."""
+def ex42_pools() -> range:
+    """The pool sizes exercise 4.2 asks about: from the smallest pool that holds the longest
+    request (``simulate`` refuses less) to the largest one worth trying, where the
+    ``max_num_seqs`` longest requests all fit at full length at once, so that nothing running
+    can ever run out of blocks (no preemption is possible there or above)."""
+    bs, seqs = EX42_SIM["block_size"], EX42_SIM["max_num_seqs"]
+    need = sorted((_blocks(r, bs) for r in synthetic_trace(**EX42_TRACE)), reverse=True)
+    return range(need[0], sum(need[:seqs]) + 1)
+
+
+@functools.lru_cache(maxsize=None)
+def ex42_preemptions(num_blocks: int) -> int:
+    """Preemptions when ``EX42_TRACE`` runs on ``num_blocks`` blocks (continuous batching)."""
     trace = synthetic_trace(**EX42_TRACE)
+    return simulate(trace, num_blocks=num_blocks, keep_records=False, **EX42_SIM).metrics["num_preemptions"]
+
+
+def ex42_expected() -> int:
+    """The answer of exercise 4.2: one more than the largest pool of the range that preempts."""
+    pools = ex42_pools()
+    return 1 + next((n for n in reversed(pools) if ex42_preemptions(n)), pools.start - 1)
+
+
+@graded("4.2")
+def check_preemption_free_pool(num_blocks: object) -> None:
+    """Exercise 4.2: the smallest ``num_blocks`` in ``ex42_pools()`` from which no pool of
+    ``ex42_pools()`` preempts: ``EX42_TRACE`` under continuous batching (``EX42_SIM``) runs
+    without a single preemption on it and on every larger pool of the range."""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+    pools = ex42_pools()
+    n = read_count("num_blocks", num_blocks)
+    if n < pools.start:
+        fail(f"num_blocks: {n:,} blocks cannot even hold the longest request ({pools.start} blocks); "
+             "simulate refuses such a pool. The range to scan is ex42_pools().")
+    if n >= pools.stop:
+        fail(f"num_blocks: {n:,} is beyond ex42_pools() (up to {pools.stop - 1}), where every pool is "
+             "preemption-free by construction; the answer lies inside the range.")
+    here = ex42_preemptions(n)
+    if here:
+        fail(f"num_blocks: with {n} blocks the scheduler preempts {here} time(s). The answer is a "
+             "pool that does not preempt at all.")
+    if any(ex42_preemptions(m) for m in range(n + 1, pools.stop)):
+        fail(f"num_blocks: {n} blocks serve the trace without preemption, but a larger pool in the range "
+             "still preempts: preemptions do not fall steadily with the pool size. Scan the whole range "
+             "and find where preemption stops for good.")
+    if n > pools.start and not ex42_preemptions(n - 1):
+        fail(f"num_blocks: {n} blocks and every larger pool are preemption-free, but so is a smaller "
+             "pool with no preemption above it: look lower, for where preemption stops for good.")
+    bs = EX42_SIM["block_size"]
+    total = sum(_blocks(r, bs) for r in synthetic_trace(**EX42_TRACE))
+    below = f"; {n - 1} preempts" if n > pools.start else ""
+    passed(f"from {n} blocks ({n * bs:,} token slots) up, no pool preempts{below}. A smaller pool may "
+           f"still avoid preemption by luck of admission timing, but not for good. Reserving every "
+           f"request's full length would take {total} blocks.")
+
+
+# ---- exercise 4.3: the speedup depends on the cost model ---------------------------------------
+#: The trace and the settings of exercise 4.3 (the notebook imports them).
+EX43_TRACE = dict(dataset="sharegpt", num_requests=200, seed=0, max_len=2048)
+EX43_SIM = dict(num_blocks=2048, block_size=16, max_num_seqs=64, max_model_len=2048, reserve="model")
+EX43_GPU = ("llama-3-8b", "a100-80gb")
+
+
+def ex43_cost_models() -> dict:
+    """The two cost models: the CPU fit (None: the simulator's default) and a GPU roofline."""
+    return {"cpu": None, "gpu": roofline(*EX43_GPU)}
+
+
+@functools.lru_cache(maxsize=None)
+def ex43_ratios() -> dict[str, float]:
+    """Continuous over static output tokens/s, per cost model, on the exercise's trace."""
+    trace = synthetic_trace(**EX43_TRACE)
     out = {}
-    for name, cm in ex42_cost_models().items():
-        tps = {p: simulate(trace, p, cost_model=cm, keep_records=False, **EX42_SIM).metrics["output_tok_per_s"]
+    for name, cm in ex43_cost_models().items():
+        tps = {p: simulate(trace, p, cost_model=cm, keep_records=False, **EX43_SIM).metrics["output_tok_per_s"]
                for p in ("static", "continuous")}
         out[name] = tps["continuous"] / tps["static"]
     return out
 
 
+@graded("4.3")
 def check_speedups(cpu_ratio: object, gpu_ratio: object) -> None:
-    """Exercise 4.2: continuous / static output tokens per second on ``EX42_TRACE`` with
-    ``EX42_SIM``, under the CPU cost model (the simulator's default) and under the roofline
+    """Exercise 4.3: continuous / static output tokens per second on ``EX43_TRACE`` with
+    ``EX43_SIM``, under the CPU cost model (the simulator's default) and under the roofline
     model of Llama-3-8B on an A100."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    ratios = ex42_ratios()
+    ratios = ex43_ratios()
     for name, value in (("cpu_ratio", cpu_ratio), ("gpu_ratio", gpu_ratio)):
-        x = read_number(name, value)
+        x = read_ratio(name, value)
         expected = ratios[name[:3]]
         check_close(name, x, expected, rel=0.01,
                     mistakes=[(1 / expected, "That is static over continuous; divide continuous's "
                                              "throughput by static's."),
                               (ratios["gpu" if name == "cpu_ratio" else "cpu"],
                                "That is the other cost model's ratio.")],
-                    hint="Simulate synthetic_trace(**EX42_TRACE) under both policies with **EX42_SIM "
+                    hint="Simulate synthetic_trace(**EX43_TRACE) under both policies with **EX43_SIM "
                          "and the cost model, and divide metrics['output_tok_per_s'].")
     passed(f"continuous batching serves this trace {ratios['cpu']:.1f}× faster with the CPU cost model "
            f"and {ratios['gpu']:.1f}× faster on the A100 roofline: same scheduler, same memory, "
            "different hardware economics.")
 
 
-# ---- exercise 4.3: the smallest pool without preemption -----------------------------------------
-EX43_TRACE = dict(dataset="alpaca", num_requests=60, rate=8.0, seed=3, max_len=512)
-EX43_SIM = dict(block_size=16, max_num_seqs=32, max_model_len=512)
-
-
-def ex43_preemptions(num_blocks: int) -> int:
-    """Preemptions when ``EX43_TRACE`` runs on ``num_blocks`` blocks (continuous batching)."""
-    trace = synthetic_trace(**EX43_TRACE)
-    return simulate(trace, num_blocks=num_blocks, keep_records=False, **EX43_SIM).metrics["num_preemptions"]
-
-
-def check_smallest_pool(num_blocks: object) -> None:
-    """Exercise 4.3: the smallest ``num_blocks`` with which continuous batching serves
-    ``EX43_TRACE`` (settings ``EX43_SIM``) without a single preemption, while one block
-    fewer preempts at least once."""
-    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    n = read_count("num_blocks", num_blocks)
-    trace = synthetic_trace(**EX43_TRACE)
-    bs = EX43_SIM["block_size"]
-    smallest_possible = max(-(-(r.prompt_len + r.output_len) // bs) for r in trace)
-    if n < smallest_possible:
-        fail(f"num_blocks: {n} blocks cannot even hold the longest request "
-             f"({smallest_possible} blocks); the simulator refuses it.")
-    here = ex43_preemptions(n)
-    if here:
-        fail(f"num_blocks: with {n} blocks the scheduler still preempts {here} time(s). Look higher.")
-    if n > smallest_possible:
-        below = ex43_preemptions(n - 1)
-        if not below:
-            fail(f"num_blocks: {n - 1} blocks serve the trace without preemption too. Look lower: "
-                 "the smallest pool is where one block fewer forces a preemption.")
-    total = sum(-(-(r.prompt_len + r.output_len) // bs) for r in trace)
-    passed(f"{n} blocks ({n * bs:,} token slots) serve all {len(trace)} requests without preemption; "
-           f"{n - 1} would not. Reserving every request's full length at once would take {total} blocks.")
+def answer_forms() -> dict[str, list[str]]:
+    """What would give each exercise's answer away if a student saw it before the check
+    (``tests/test_answer_leaks.py`` scans the student notebooks and the hints for it)."""
+    steps, busy = _static_batch()
+    pool = ex42_expected()
+    ratios = ex43_ratios()
+    return {
+        "4.1": [f"{steps} iterations", f"{busy:.0%}", f"{busy * 100:.0f} %", f"busy_fraction = {busy:g}"],
+        "4.2": [f"{pool}", f"{pool} blocks"],
+        "4.3": [form for r in ratios.values() for form in (f"{r:.2f}", f"{r:.1f}×", f"{r:.1f}x")],
+    }

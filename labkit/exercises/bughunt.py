@@ -1,7 +1,8 @@
-"""Chapter 2's bug hunt: a naive paged block manager with three flaws, and the graders of
-the tests that expose them.
+"""Chapter 2's bug hunt (exercises 2.2-2.4): a naive paged block manager with three flaws,
+and the graders of the tests that expose them.
 
-A widely shared article on PagedAttention presents a "production-grade" block manager and
+The vLLM article ("Continuous Batching & PagedAttention: vLLM Memory Management
+Architecture", a widely shared blog post) presents a "production-grade" block manager and
 continuous-batching scheduler. Its code does not even parse (``def allocate_block((self)``),
 and once that is fixed it still has three flaws that a real engine cannot afford:
 
@@ -27,8 +28,13 @@ token a slot. Students write one test per flaw, as a function of an implementati
         ...
         assert ..., "what went wrong"
 
-and the graders run each test against both: a good test fails (``AssertionError``) on
-``naive`` and passes on ``paged``.
+and the graders judge each test by behaviour alone. They run it against implementations
+whose names and classes reveal nothing (every one is a fresh class named ``BlockManager``
+or ``Scheduler``, related to no class a test could import, and has no ``name``): the naive
+one and one with only the flaw in question (built on labkit's allocator, so it looks like
+the correct one in every attribute) must make it fail with an ``AssertionError``; the
+correct one must make it pass, every time it is run (a timing test that fails at random
+on a correct manager is rejected).
 """
 
 from __future__ import annotations
@@ -40,11 +46,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..memory import BlockAllocator, NoFreeBlocksError
-from ._grading import fail, passed
+from ._grading import fail, graded, passed, shown
 
 
 # ---- the shared record -------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class SequenceRequest:
     """A request as the article's scheduler sees it (a plain dataclass instead of pydantic)."""
 
@@ -61,7 +67,7 @@ class SequenceRequest:
         return len(self.prompt_tokens) + len(self.generated_tokens)
 
 
-# ---- the naive implementation (the article's design, flaws kept) ------------------------------
+# ---- the naive implementation (the vLLM article's design, flaws kept) ------------------------
 class NaiveBlockManager:
     """The article's block manager: a Python list as free list, no reference counting."""
 
@@ -216,41 +222,46 @@ paged = types.SimpleNamespace(name="paged", BlockManager=PagedBlockManager, Sche
 
 
 # ---- one flaw at a time (the graders' mutants) -------------------------------------------------
-class _CountingQueueManager(NaiveBlockManager):
-    """Flaw 2 only: the O(n) ``pop(0)`` free list, with real reference counts."""
+class _FrontPopManager(PagedBlockManager):
+    """Flaw 2 only: labkit's allocator, but every allocation first shifts the whole free
+    list, as ``list.pop(0)`` does, and puts it back as it was: the cost of the naive free
+    list without its first-in-first-out order, so only a test of the cost catches it."""
+
+    def allocate_block(self) -> int | None:
+        free = self.allocator._free
+        if free:
+            free.insert(0, free.pop(0))         # flaw 2: O(n) on every allocation, order kept
+        try:
+            return self.allocator.allocate()
+        except NoFreeBlocksError:
+            return None
+
+
+class _UncountedManager(PagedBlockManager):
+    """Flaw 3 only: labkit's allocator, but a second holder of a block is never counted,
+    so the first holder to free it frees it for everyone."""
 
     def fork_blocks(self, block_ids: list[int]) -> list[int]:
-        for bid in block_ids:
-            self.ref_count[bid] += 1
-        return list(block_ids)
+        return list(block_ids)                  # flaw 3: nobody counts the second holder
 
     def free_sequence_blocks(self, block_ids: list[int]) -> None:
         for bid in block_ids:
-            self.ref_count[bid] -= 1
-            if self.ref_count[bid] == 0:
-                self.free_blocks.append(bid)
+            if self.allocator.ref_count(bid) > 0:   # already freed by the other holder: nothing left
+                self.allocator.free(bid)
 
 
-class _UncountedStackManager(NaiveBlockManager):
-    """Flaw 3 only: an O(1) free stack, without reference counts."""
-
-    def allocate_block(self) -> int | None:
-        if not self.free_blocks:
-            return None
-        bid = self.free_blocks.pop()
-        self.ref_count[bid] = 1
-        return bid
-
-
-#: For each flaw, an implementation with that flaw and no other.
-ONLY_FLAW = {
-    1: types.SimpleNamespace(name="flaw 1 only", BlockManager=PagedBlockManager, Scheduler=NaiveScheduler,
-                             SequenceRequest=SequenceRequest),
-    2: types.SimpleNamespace(name="flaw 2 only", BlockManager=_CountingQueueManager, Scheduler=PagedScheduler,
-                             SequenceRequest=SequenceRequest),
-    3: types.SimpleNamespace(name="flaw 3 only", BlockManager=_UncountedStackManager, Scheduler=PagedScheduler,
-                             SequenceRequest=SequenceRequest),
+#: For each flaw, the (block manager, scheduler) classes of an implementation that has
+#: that flaw and no other. The mutants of flaws 2 and 3 are labkit's manager with one
+#: method changed, so no attribute tells them from the correct one.
+_FLAW_ONLY: dict[int, tuple[type, type]] = {
+    1: (PagedBlockManager, NaiveScheduler),
+    2: (_FrontPopManager, PagedScheduler),
+    3: (_UncountedManager, PagedScheduler),
 }
+#: The same, as implementations to try a test on by hand: ``test_...(ONLY_FLAW[2])``.
+ONLY_FLAW = {flaw: types.SimpleNamespace(name=f"flaw {flaw} only", BlockManager=manager, Scheduler=scheduler,
+                                         SequenceRequest=SequenceRequest)
+             for flaw, (manager, scheduler) in _FLAW_ONLY.items()}
 
 
 def time_allocations(manager, count: int) -> float:
@@ -265,66 +276,172 @@ def time_allocations(manager, count: int) -> float:
     return best
 
 
+# ---- implementations that reveal nothing but their behaviour ------------------------------
+#: Scheduler iterations one run of a student's test may take before it is stopped (a test
+#: that waits for a request that can never finish would otherwise hang the grader).
+ITERATION_LIMIT = 100_000
+
+
+class _Runaway(Exception):
+    """A test ran more than ``ITERATION_LIMIT`` scheduler iterations."""
+
+
+def _opaque(fn: Callable) -> Callable:
+    """``fn`` behind a forwarder whose code, source and docstring are the same for every
+    implementation: ``inspect.getsource`` on a method tells a test nothing."""
+    def method(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+    method.__name__ = method.__qualname__ = fn.__name__
+    return method
+
+
+def _fresh_class(cls: type, name: str, limit: list[int] | None = None) -> type:
+    """A new class named ``name`` with the behaviour of ``cls`` (its whole MRO flattened)
+    and no relation to it: ``isinstance``, ``type(x).__name__``, ``__module__`` or a
+    method's source cannot tell which implementation a test was given. With ``limit`` (a
+    one-item countdown), its ``schedule_iteration`` stops a test that never ends."""
+    namespace: dict = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        namespace.update(vars(klass))
+    for key in ("__dict__", "__weakref__", "__doc__"):
+        namespace.pop(key, None)
+    for key, value in namespace.items():
+        if isinstance(value, types.FunctionType):
+            namespace[key] = _opaque(value)
+        elif isinstance(value, property):
+            namespace[key] = property(_opaque(value.fget))
+    namespace.update(__module__="impl", __qualname__=name)
+    if limit is not None:
+        step = namespace["schedule_iteration"]
+
+        def schedule_iteration(self):
+            limit[0] -= 1
+            if limit[0] < 0:
+                raise _Runaway(f"more than {ITERATION_LIMIT:,} scheduler iterations")
+            return step(self)
+
+        namespace["schedule_iteration"] = schedule_iteration
+    return type(name, (), namespace)
+
+
+def _anonymous(manager: type, scheduler: type) -> types.SimpleNamespace:
+    """An implementation that only its behaviour identifies: fresh ``BlockManager`` and
+    ``Scheduler`` classes (like every other implementation's), no ``name``."""
+    return types.SimpleNamespace(BlockManager=_fresh_class(manager, "BlockManager"),
+                                 Scheduler=_fresh_class(scheduler, "Scheduler", [ITERATION_LIMIT]),
+                                 SequenceRequest=SequenceRequest)
+
+
 # ---- graders --------------------------------------------------------------------------------
 _NOT_A_TEST = (NotImplementedError, NameError, TypeError, AttributeError, SyntaxError)
 
 
 def _run(test: Callable, impl) -> BaseException | None:
+    """What ``test(impl)`` raised, or None if it returned. A test that returns a value (a
+    check written as ``return ok`` instead of ``assert ok``) raises ``_Returned``."""
     try:
-        test(impl)
-    except Exception as e:        # noqa: BLE001 - the verdict depends on what was raised
+        result = test(impl)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:    # noqa: BLE001 - the verdict depends on what was raised
         return e
-    return None
+    return None if result is None else _Returned(result)
 
 
-def _grade_test(test: object, number: int, flaw: str, what: str) -> None:
+class _Returned(Exception):
+    """A test returned a value: nobody reads it, so it passes whatever it says."""
+
+
+def _grade_test(test: object, number: int, flaw: str, concept: str, *, runs_on_correct: int = 2,
+                runs_on_flawed: int = 1) -> None:
+    """Accept ``test`` if it fails with an ``AssertionError`` on the naive implementation and
+    on the one with only this flaw (each run ``runs_on_flawed`` times), and passes on the
+    correct one every one of ``runs_on_correct`` times."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     if test is Ellipsis or test is None or not callable(test):
-        fail(f"{flaw}: pass your test function itself (e.g. check_...(test_name)), not {test!r}.")
+        fail(f"{flaw}: pass your test function itself (e.g. check_...(test_name)), not {shown(test)}.")
     name = getattr(test, "__name__", "your test")
-    for impl, label in ((naive, "the naive implementation"),
-                        (ONLY_FLAW[number], "an implementation that has this flaw and no other")):
-        got = _run(test, impl)
-        if isinstance(got, NotImplementedError):
-            fail(f"{flaw}: {name} still raises NotImplementedError: write the test.")
-        if got is None:
-            fail(f"{flaw}: {name} passes on {label}, so it does not expose this flaw. {what}")
-        if not isinstance(got, AssertionError):
-            hint = ("That looks like a bug in the test itself. " if isinstance(got, _NOT_A_TEST) else
-                    "A test should detect the flaw with an `assert ...`, not crash on it. ")
-            fail(f"{flaw}: on {label} {name} raised {type(got).__name__}: {got}. {hint}{what}")
-        if impl is naive:
-            on_naive = got
-    on_paged = _run(test, paged)
-    if on_paged is not None:
-        fail(f"{flaw}: {name} fails on the paged implementation too ({type(on_paged).__name__}: "
-             f"{on_paged}), which does not have this flaw. A test must fail because of the flaw, not "
-             "for reasons every implementation shares (check the sizes and the steps you ran).")
+    on_naive: BaseException | None = None
+    for impl, label in ((_anonymous(NaiveBlockManager, NaiveScheduler), "the naive implementation"),
+                        (_anonymous(*_FLAW_ONLY[number]), "an implementation that has this flaw and no other")):
+        for _ in range(runs_on_flawed):
+            got = _run(test, impl)
+            if isinstance(got, _Returned):
+                fail(f"{flaw}: {name} returned {shown(got.args[0])} on {label}. A test fails only by "
+                     "raising: a returned value is ignored, so this test passes whatever it finds. "
+                     "Turn the check into an `assert ..., \"message\"`.")
+            if isinstance(got, NotImplementedError):
+                fail(f"{flaw}: {name} still raises NotImplementedError: write the test.")
+            if isinstance(got, _Runaway):
+                fail(f"{flaw}: on {label} {name} ran {got}; does it wait for something that never "
+                     f"happens? {concept}")
+            if got is None:
+                fail(f"{flaw}: {name} passes on {label}, so it does not expose this flaw. {concept}")
+            if not isinstance(got, AssertionError):
+                hint = ("That looks like a bug in the test itself. " if isinstance(got, _NOT_A_TEST) else
+                        "A test should detect the flaw with an `assert ...`, not crash on it. ")
+                fail(f"{flaw}: on {label} {name} raised {type(got).__name__}: {got}. {hint}{concept}")
+            on_naive = on_naive or got
+    correct = _anonymous(PagedBlockManager, PagedScheduler)
+    for run in range(runs_on_correct):
+        got = _run(test, correct)
+        if got is None or isinstance(got, _Returned):
+            continue
+        what = f"{type(got).__name__}: {got}"
+        if isinstance(got, _Runaway):
+            fail(f"{flaw}: on the correct implementation {name} ran {got}. Does it wait for a request "
+                 "that can never finish, say in a pool too small for it? (A correct manager makes a "
+                 "request wait when no block is free.)")
+        if run == 0:
+            fail(f"{flaw}: {name} fails on the correct implementation too ({what}), which does not have "
+                 "this flaw. A test must fail because of the flaw, not for reasons every implementation "
+                 "shares (check the sizes and the steps you ran).")
+        fail(f"{flaw}: {name} passed on the correct implementation {run} time(s), then failed ({what}). "
+             "A test that fails at random on a correct implementation is flaky: nobody can trust it. "
+             "Make the difference it measures large against the noise, and its margin generous.")
     message = str(on_naive).strip() or "(no message: give your assert one)"
     passed(f"{name} fails on the naive manager ({message[:160]}) and passes on labkit's.")
 
 
+@graded("2.2")
 def check_generated_tokens_test(test: object) -> None:
-    """Flaw 1: a test that fails when generated tokens get no slots (``impl`` -> None)."""
+    """Exercise 2.2 (flaw 1): a test that fails when generated tokens get no slots."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    _grade_test(test, 1, "flaw 1 (generated tokens)",
-                "Run a request whose prompt plus generated tokens outgrow the blocks of its prompt, "
-                "and assert after every iteration that len(block_table) * block_size >= the tokens "
-                "the request holds (prompt + generated).")
+    _grade_test(test, 1, "Exercise 2.2 (flaw 1, generated tokens)",
+                "After every iteration, what must hold between the tokens a running request holds "
+                "and the slots its block table gives it?")
 
 
+#: Runs of a timing test on the correct manager that must all pass.
+TIMING_RUNS = 5
+
+
+@graded("2.3")
 def check_free_list_test(test: object) -> None:
-    """Flaw 2: a test that fails when allocation time grows with the pool size."""
+    """Exercise 2.3 (flaw 2): a test that fails when allocation time grows with the pool
+    size; it must pass on the correct manager ``TIMING_RUNS`` times out of as many."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    _grade_test(test, 2, "flaw 2 (O(n) free list)",
-                "Time the same number of allocations (time_allocations) from a small pool and from "
-                "a large one (e.g. 1,000 and 1,000,000 blocks) and assert the large pool is not "
-                "much slower (say, less than 10×).")
+    _grade_test(test, 2, "Exercise 2.3 (flaw 2, the O(n) free list)",
+                "What does one allocation from the naive free list cost, and what does that cost "
+                "grow with? A correct manager's cost does not.", runs_on_correct=TIMING_RUNS,
+                runs_on_flawed=2)
 
 
+@graded("2.4")
 def check_shared_blocks_test(test: object) -> None:
-    """Flaw 3: a test that fails when freeing one holder of a shared block frees it for all."""
+    """Exercise 2.4 (flaw 3): a test that fails when freeing one holder of a shared block
+    frees it for all."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    _grade_test(test, 3, "flaw 3 (no reference counts)",
-                "Fork a running request (scheduler.fork), let one of the two finish, allocate new "
-                "blocks, and assert that none of them is a block the survivor still holds.")
+    _grade_test(test, 3, "Exercise 2.4 (flaw 3, no reference counts)",
+                "What must happen to a block that two sequences hold when one of them finishes, and "
+                "what may the manager hand out next?")
+
+
+def answer_forms() -> dict[str, list[str]]:
+    """The key expressions of the tests (for the leak scan): what would hand a student the
+    check itself."""
+    return {
+        "2.2": ["len(req.block_table) * manager.block_size", "slots >= req.num_tokens"],
+        "2.3": ["t_large < 10 * t_small", "time_allocations(large"],
+        "2.4": ["set(new) & set(child.block_table)", "stolen = set("],
+    }

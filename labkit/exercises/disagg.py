@@ -6,7 +6,10 @@ Every expected value is computed here from labkit's roofline cost model
 change the model's efficiencies and the graders follow.
 
     from labkit.exercises.disagg import check_ridge_point
-    check_ridge_point(tokens=...)
+    check_ridge_point(ridge_tokens)
+
+Exercises 7.1-7.4. The expected-value helpers (``ridge_expected``, ``plan_expected``, ...)
+serve the tests; the student notebook imports only the graders.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from ..sim.roofline import RooflineCostModel, batch_shape, roofline
-from ._grading import check_close, fail, passed, read_count, read_number
+from ._grading import check_close, fail, graded, passed, read_count, read_number
 
 MODEL, HARDWARE_NAME = "llama-3-8b", "h100-sxm"
 
@@ -27,15 +30,17 @@ def cost_model() -> RooflineCostModel:
     return roofline(MODEL, HARDWARE_NAME)
 
 
-# ---- exercise 1: the ridge point -------------------------------------------------------
+# ---- exercise 7.1: the ridge point -------------------------------------------------------
 def ridge_expected() -> float:
     return cost_model().ridge_tokens()
 
 
+@graded("7.1")
 def check_ridge_point(tokens: object) -> None:
-    """Exercise 1: how many tokens must one iteration carry before Llama-3-8B's linear layers
+    """Exercise 7.1: how many tokens must one iteration carry before Llama-3-8B's linear layers
     on an H100 become compute-bound (multiplying the weights takes as long as reading them),
     with the *achieved* FLOP/s and bandwidth of ``cost_model().hardware``?"""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     cm = cost_model()
     hw = cm.hardware
     expected = ridge_expected()
@@ -46,22 +51,24 @@ def check_ridge_point(tokens: object) -> None:
         "tokens", x, expected, rel=0.03,
         mistakes=[
             (peak, "That uses the datasheet peaks. Real kernels reach only part of them: use the "
-                   "achieved figures, cost_model().flops and cost_model().bandwidth (peak x efficiency)."),
-            (expected / b, f"Each bf16 weight is {b} bytes: reading P weights moves {b}·P bytes, not P."),
-            (expected * 2, "A weight costs 2 FLOPs per token (one multiply, one add): compute time "
-                           "is 2·P·T / F."),
-            (expected * 2 / b, "Compare FLOPs with FLOPs and bytes with bytes: 2·P·T / F = P·bytes / B."),
+                   "achieved figures, cm.flops and cm.bandwidth (peak x efficiency)."),
+            (expected / b, f"Each bf16 weight is {b} bytes: reading the weights moves more bytes "
+                           "than there are weights."),
+            (expected * 2, "Count the FLOPs per weight and token: a multiply and an add."),
+            (expected * 2 / b, "Both the FLOPs per weight and the bytes per weight are missing: compare "
+                               "a time with a time (FLOPs / FLOP/s and bytes / bytes/s)."),
         ],
-        hint="Set the linear layers' compute time 2·P·T / F equal to their weight-reading time "
-             "P·bytes / B and solve for T (P cancels).",
+        hint="Write down how long the linear layers take to multiply T tokens with the weights, "
+             "and how long they take to read the weights once; the ridge is the T where the two are "
+             "equal.",
     )
-    passed(f"Exercise 1: T = F·bytes / (2·B) = {cm.flops / 1e12:.0f} TFLOP/s × {b} B / (2 × "
+    passed(f"Exercise 7.1: T = F·bytes / (2·B) = {cm.flops / 1e12:.0f} TFLOP/s × {b} B / (2 × "
            f"{cm.bandwidth / 1e12:.2f} TB/s) ≈ {expected:.0f} tokens. A decode batch of 32 is far "
            "below it (memory-bound: the weights are read for 32 tokens' worth of math); a "
            "1,000-token prompt is far above it (compute-bound).")
 
 
-# ---- exercise 2: when a prefill doubles a decode iteration -------------------------------
+# ---- exercise 7.2: when a prefill doubles a decode iteration -------------------------------
 EX2_BATCH, EX2_CONTEXT = 32, 1024
 
 
@@ -88,10 +95,12 @@ def doubling_expected() -> int:
     return hi
 
 
+@graded("7.2")
 def check_prefill_doubling(prefill_tokens: object) -> None:
-    """Exercise 2: 32 sequences decode at context 1,024 (Llama-3-8B, H100). What is the
+    """Exercise 7.2: 32 sequences decode at context 1,024 (Llama-3-8B, H100). What is the
     smallest prompt (in tokens, prefilled whole in the same iteration) that makes the
     iteration, hence every one of those 32 users' next token, take twice as long?"""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     expected = doubling_expected()
     t0 = decode_alone_time()
     n = read_count("prefill_tokens", prefill_tokens)
@@ -102,7 +111,7 @@ def check_prefill_doubling(prefill_tokens: object) -> None:
     if n > expected * 1.03 + 1:
         check_close("prefill_tokens", n, expected, rel=0.03, mistakes=_doubling_mistakes(),
                     hint="A smaller prompt already doubles it: look for the smallest one.")
-    passed(f"Exercise 2: a {expected:,}-token prompt turns a {t0 * 1e3:.1f} ms decode iteration into "
+    passed(f"Exercise 7.2: a {expected:,}-token prompt turns a {t0 * 1e3:.1f} ms decode iteration into "
            f"{mixed_time(expected) * 1e3:.1f} ms. Below ~{cost_model().ridge_tokens() - EX2_BATCH:.0f} tokens "
            "a prompt rides along almost free (the weights are read anyway); above, every prompt "
            "token adds compute time that all 32 decoding users wait for: interference.")
@@ -124,7 +133,7 @@ def _doubling_hint(n: int) -> str:
     return " Search upward: time a batch of the 32 decodes plus an n-token prompt (batch_shape) for growing n."
 
 
-# ---- exercise 3: a chunk budget that keeps every token on time ----------------------------
+# ---- exercise 7.3: a chunk budget that keeps every token on time ----------------------------
 EX3_BATCH, EX3_CONTEXT, EX3_PROMPT, EX3_ITL_SLO = 32, 1024, 4096, 0.020
 
 
@@ -164,11 +173,13 @@ def chunk_budget_expected() -> int:
     return max(ok)
 
 
+@graded("7.3")
 def check_chunk_budget(budget: object) -> None:
-    """Exercise 3: the largest ``max_num_batched_tokens`` (decodes + prompt chunk per
+    """Exercise 7.3: the largest ``max_num_batched_tokens`` (decodes + prompt chunk per
     iteration) that keeps every iteration within a 20 ms ITL SLO while a 4,096-token prompt
     is chunk-prefilled beside 32 decodes at context 1,024. Answers within 3 % below the
     exact maximum are fine (a scan in steps of 8 or 16 finds them)."""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     expected = chunk_budget_expected()
     b = read_count("budget", budget)
     if b <= EX3_BATCH:
@@ -180,12 +191,16 @@ def check_chunk_budget(budget: object) -> None:
         fail(f"budget: with {b:,} tokens per iteration the slowest iteration takes {worst * 1e3:.2f} ms, over "
              f"the {EX3_ITL_SLO * 1e3:.0f} ms SLO. Mind that later chunks attend to all the earlier "
              f"ones: the {late} chunk is the slowest, not the first.")
+    if expected * 0.97 - EX3_BATCH <= b <= expected - EX3_BATCH:
+        fail(f"budget: {b:,} tokens meet the SLO (worst {worst * 1e3:.2f} ms), but that looks like the "
+             f"prompt chunk alone: the budget counts every token of the iteration, the {EX3_BATCH} "
+             "decodes included.")
     if b < expected * 0.97:
         fail(f"budget: {b:,} tokens meet the SLO (worst {worst * 1e3:.2f} ms), but a clearly larger budget "
              "does too; a smaller budget means more iterations, each paying for the weights and the "
              "overhead again. Find the largest one.")
     chunk = expected - EX3_BATCH
-    passed(f"Exercise 3: a budget of ~{expected:,} tokens ({chunk:,}-token chunks, "
+    passed(f"Exercise 7.3: a budget of ~{expected:,} tokens ({chunk:,}-token chunks, "
            f"{math.ceil(EX3_PROMPT / chunk)} iterations for the prompt) keeps every iteration ≤ "
            f"{EX3_ITL_SLO * 1e3:.0f} ms; unchunked, this prompt's iteration would take "
            f"{mixed_time_for(EX3_PROMPT) * 1e3:.0f} ms. The cost: the prompt's TTFT grows by the extra "
@@ -196,7 +211,7 @@ def mixed_time_for(prompt: int) -> float:
     return cost_model().iteration_time(batch_shape(decode=[EX3_CONTEXT] * EX3_BATCH, prefill=[(prompt, 0)]))
 
 
-# ---- exercise 4: how many prefill and decode instances --------------------------------------
+# ---- exercise 7.4: how many prefill and decode instances --------------------------------------
 @dataclass(frozen=True)
 class PlanProblem:
     """A DistServe-style provisioning question, with its numbers."""
@@ -248,21 +263,26 @@ def plan_expected(problem: PlanProblem = PROBLEM) -> Plan:
     return Plan(d, n_p, batch, by_memory, tok_per_s, n_d)
 
 
+@graded("7.4")
 def check_instance_plan(num_prefill: object, num_decode: object) -> None:
-    """Exercise 4: Poisson arrivals at 30 requests/s, every prompt 2,048 tokens and every
+    """Exercise 7.4: Poisson arrivals at 30 requests/s, every prompt 2,048 tokens and every
     output 256 tokens, Llama-3-8B on H100s; SLOs: mean TTFT ≤ 100 ms, TPOT ≤ 25 ms. How many
     prefill and how many decode instances (one GPU each)?"""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     p = PROBLEM
     plan = plan_expected(p)
     n_p = read_count("num_prefill", num_prefill)
     n_d = read_count("num_decode", num_decode)
+    for name, n in (("num_prefill", n_p), ("num_decode", n_d)):
+        if n < 1:
+            fail(f"{name}: a disaggregated deployment needs at least one instance in each pool, got {n}.")
     naive_p = math.ceil(p.rate * plan.prefill_time_s)
     if n_p != plan.num_prefill:
         if n_p == naive_p and naive_p < plan.num_prefill:
             fail(f"num_prefill: {n_p} instances can keep up on average (utilization "
                  f"{p.rate * plan.prefill_time_s / n_p:.0%}), but Poisson arrivals queue: the M/D/1 "
-                 f"mean TTFT is then {md1_ttft(p.rate / n_p, plan.prefill_time_s) * 1e3:.0f} ms. Add the "
-                 "queueing delay rate·D²/(2(1-rate·D)) per instance (rate split evenly).")
+                 f"mean TTFT is then {md1_ttft(p.rate / n_p, plan.prefill_time_s) * 1e3:.0f} ms. The "
+                 "SLO is on the mean TTFT, which includes the time a prompt waits in the queue.")
         if n_p < plan.num_prefill:
             rho = p.rate / n_p * plan.prefill_time_s
             if rho >= 1:
@@ -276,12 +296,11 @@ def check_instance_plan(num_prefill: object, num_decode: object) -> None:
              "number whose M/D/1 mean TTFT is within the SLO).")
     if n_d != plan.num_decode:
         direction = "more" if n_d < plan.num_decode else "fewer"
-        fail(f"num_decode: {n_d} is not right ({direction} are needed). A decode instance runs the "
-             "largest batch whose iteration (every sequence at its longest context, prompt + output) "
-             "stays within the TPOT SLO and whose KV fits in memory; it then produces batch / "
-             "iteration time tokens/s. The pool must produce rate × (output − 1) tokens/s (the first "
-             "token comes from the prefill instance).")
-    passed(f"Exercise 4: prefill takes {plan.prefill_time_s * 1e3:.0f} ms per prompt → {plan.num_prefill} "
+        fail(f"num_decode: {n_d} is not right ({direction} are needed). Check the decode batch one "
+             "instance can run (both limits: the TPOT SLO at the longest context, and the KV memory), "
+             "the tokens per second that batch produces, and how many tokens per second the pool "
+             "must produce.")
+    passed(f"Exercise 7.4: prefill takes {plan.prefill_time_s * 1e3:.0f} ms per prompt → {plan.num_prefill} "
            f"prefill instances (M/D/1 mean TTFT {md1_ttft(p.rate / plan.num_prefill, plan.prefill_time_s) * 1e3:.0f} ms; "
            f"{naive_p} would be {md1_ttft(p.rate / naive_p, plan.prefill_time_s) * 1e3:.0f} ms); decode batch "
            f"{plan.decode_batch} (TPOT-bound; memory allows {plan.decode_batch_memory}) gives "
@@ -292,3 +311,17 @@ def check_instance_plan(num_prefill: object, num_decode: object) -> None:
 __all__ = ["cost_model", "check_ridge_point", "check_prefill_doubling", "check_chunk_budget",
            "check_instance_plan", "PlanProblem", "PROBLEM", "Plan", "plan_expected", "md1_ttft",
            "worst_chunked_iteration", "worst_chunked_iteration_brute", "mixed_time", "decode_alone_time"]
+
+
+def answer_forms() -> dict[str, list[str]]:
+    """What would give each exercise's answer away if a student saw it before the check
+    (``tests/test_answer_leaks.py`` scans the student notebooks and the hints for it)."""
+    ridge, plan = ridge_expected(), plan_expected()
+    p, d = plan.num_prefill, plan.num_decode
+    return {
+        "7.1": [f"{ridge:.0f} tokens", f"{ridge:.1f}", f"{ridge:.2f}"],
+        "7.2": sorted({f"{doubling_expected()}", f"{doubling_expected():,}"}),
+        "7.3": sorted({f"{chunk_budget_expected()}", f"{chunk_budget_expected():,}"}),
+        "7.4": [f"{p}P+{d}D", f"{p}P + {d}D", f"{p} prefill and {d} decode",
+                f"disaggregated({p}, {d}", f"num_prefill, num_decode = {p}, {d}"],
+    }

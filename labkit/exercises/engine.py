@@ -16,11 +16,12 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from ._grading import check_close, check_quantity, fail, passed, read_count, read_number
+from ._grading import (check_close, check_quantity, fail, fmt, graded, number_forms, passed, quantity_forms,
+                       read_count, read_number, read_ratio)
 
 #: Byte units for ``read_quantity`` (base unit: the byte).
 BYTE_UNITS: dict[str, float] = {
-    "B": 1.0, "bytes": 1.0, "KiB": 1024.0, "MiB": 2.0**20, "GiB": 2.0**30, "TiB": 2.0**40,
+    "B": 1.0, "bytes": 1.0, "byte": 1.0, "KiB": 1024.0, "MiB": 2.0**20, "GiB": 2.0**30, "TiB": 2.0**40,
     "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
 }
 
@@ -46,32 +47,44 @@ def _kv_formula_mistakes(layers: int, kv_heads: int, heads: int, head_dim: int, 
     ]
 
 
+def _engine_stats(llm) -> dict:
+    """``llm.stats()``, or a failure that says which object the grader needs."""
+    stats = getattr(llm, "stats", None)
+    if not callable(stats) or not hasattr(llm, "scheduler"):
+        fail(f"llm: pass the engine you loaded (llm = LLM(...)), not {type(llm).__name__} {llm!r:.60}.")
+    return stats()
+
+
 # ---- chapter 0: the engine you just loaded ------------------------------------------------
+@graded("0.1")
 def check_kv_capacity(llm, capacity_tokens: object, bytes_per_token: object) -> None:
-    """Chapter 0: from ``llm.stats()``, how many tokens the engine's KV cache holds, and how
-    many bytes of KV one token takes (bytes of the cache / tokens it holds)."""
+    """Exercise 0.1: from ``llm.stats()``, how many tokens the engine's KV cache holds, and
+    how many bytes of KV one token takes (a number of bytes, or a string with a unit)."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     from ..model.kv_cache import kv_bytes_per_token
-    stats = llm.stats()
+    stats = _engine_stats(llm)
     capacity = stats["num_total_blocks"] * stats["block_size"]
     config, dtype = llm.runner.config, llm.runner.dtype
     per_token = kv_bytes_per_token(config, dtype)
-    assert stats["kv_cache_bytes"] == capacity * per_token      # the engine agrees with the formula
+    if stats["kv_cache_bytes"] != capacity * per_token:    # the engine must agree with the formula
+        raise RuntimeError(f"the engine reports {stats['kv_cache_bytes']} KV bytes for {capacity} "
+                           f"tokens of {per_token} bytes: a bug in labkit, not in your answer")
     cap = read_count("capacity_tokens", capacity_tokens)
     mistakes = [(stats["num_total_blocks"], "That is the number of blocks; each block holds block_size tokens.")]
     if stats["num_free_blocks"] != stats["num_total_blocks"]:
         mistakes.append((stats["num_free_blocks"] * stats["block_size"],
                          "That counts only the free blocks; the question asks for all of them."))
     check_close("capacity_tokens", cap, capacity, rel=0, mistakes=mistakes,
-                hint="Tokens the cache holds = number of blocks × tokens per block.")
-    x, _, _ = check_quantity("bytes_per_token", bytes_per_token, per_token, units=BYTE_UNITS,
+                hint="Which counters give the cache's size in blocks, and the size of one block?")
+    check_quantity("bytes_per_token", bytes_per_token, per_token, units=BYTE_UNITS,
                              default_unit="B", rel=0.01,
                              mistakes=[(stats["kv_cache_bytes"] / stats["num_total_blocks"],
                                         "That is bytes per block; divide by the tokens per block too.")]
                              + _kv_formula_mistakes(config.num_hidden_layers, _kv_heads(config),
                                                     config.num_attention_heads, _head_dim(config),
                                                     _itemsize(dtype), 2 if _itemsize(dtype) == 4 else 4),
-                             hint="Bytes per token = kv_cache_bytes / (tokens the cache holds).")
+                             hint="How many bytes does the cache take in all, and how many tokens "
+                                  "does it hold?")
     passed(f"{capacity:,} tokens of KV ({stats['num_total_blocks']:,} blocks × {stats['block_size']}); "
            f"{per_token:,} bytes = {_human(per_token)} per token = 2 (K and V) × "
            f"{config.num_hidden_layers} layers × {_kv_heads(config)} KV heads × {_head_dim(config)} dims × "
@@ -93,9 +106,11 @@ def _itemsize(dtype) -> int:
 
 # ---- chapter 1: Llama-3-70B -------------------------------------------------------------
 EX_70B_CONTEXT = 4096
-EX_70B_FREE_BYTES = 45e9        # 80 GB A100 minus ~35 GB of 4-bit weights (the seed's figures)
-SEED_PER_REQUEST_MB = 320       # the seed article's (wrong) figure per 4096-token request
-SEED_CONCURRENT = 140           # ... and the concurrency it derives from it
+EX_70B_FREE_BYTES = 45e9        # 80 GB A100 minus ~35 GB of 4-bit weights (the lesson's figures)
+#: The PagedAttention lesson ("PagedAttention and continuous batching") says a 4096-token
+#: Llama-3-70B request takes ~320 MB of KV (it is off by 4×) ...
+LESSON_PER_REQUEST_MB = 320
+LESSON_CONCURRENT = 140         # ... and that 140 such requests fit in 45 GB
 
 
 def _llama70b():
@@ -103,57 +118,58 @@ def _llama70b():
     return MODELS["llama-3-70b"]
 
 
+@graded("1.1")
 def check_kv_bytes_70b(bytes_per_token: object) -> None:
-    """Chapter 1: bytes of KV one token takes in Llama-3-70B (80 layers, 8 KV heads of 128
-    dims, 64 query heads, bf16). A number of bytes, or a string with a unit ("320 KiB")."""
+    """Exercise 1.1: bytes of KV one token takes in Llama-3-70B (80 layers, 8 KV heads of 128
+    dims, 64 query heads, bf16): a number of bytes, or a string with a unit ("... KiB")."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     m = _llama70b()
     expected = m.kv_bytes_per_token
     check_quantity("bytes_per_token", bytes_per_token, expected, units=BYTE_UNITS, default_unit="B",
-                   bare_also=("KiB",), rel=0.01,
+                   rel=0.01,
                    mistakes=_kv_formula_mistakes(m.num_layers, m.num_kv_heads, m.num_heads, m.head_dim,
                                                  m.dtype_bytes, 4),
-                   hint="Per token and layer the cache keeps one key and one value vector per KV head: "
-                        "2 × layers × KV heads × head dim × bytes per element.")
+                   hint="Go through section 1's reasoning with Llama-3-70B's config: what does each "
+                        "token leave behind, in every layer, for every KV head?")
     passed(f"2 × {m.num_layers} × {m.num_kv_heads} × {m.head_dim} × {m.dtype_bytes} B = {expected:,} B "
            f"= {expected // 1024} KiB per token (without GQA, all {m.num_heads} heads: "
            f"{_human(expected * m.num_heads // m.num_kv_heads)}).")
 
 
+@graded("1.2")
 def check_70b_requests(request_bytes: object, requests_that_fit: object) -> None:
-    """Chapter 1: the KV of one 4096-token Llama-3-70B request, and how many such requests
+    """Exercise 1.2: the KV of one 4096-token Llama-3-70B request, and how many such requests
     fit in the 45 GB (45 × 10^9 bytes) left beside 4-bit weights on an 80 GB GPU."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     m = _llama70b()
     per_request = EX_70B_CONTEXT * m.kv_bytes_per_token
     fit = math.floor(EX_70B_FREE_BYTES / per_request)
-    fit_gib = math.floor(45 * 2**30 / per_request)
+    lesson_mistake = ("That is the lesson's figure, and it is off by 4×: work it out from your own "
+                      "bytes per token.")
     check_quantity(
-        "request_bytes", request_bytes, per_request, units=BYTE_UNITS, default_unit="B",
-        bare_also=("GiB", "MiB"), rel=0.02,
-        mistakes=[(SEED_PER_REQUEST_MB * 1e6, "That is the seed article's figure, and it is off by 4×: "
-                                              "recompute 4096 × the bytes per token yourself."),
-                  (SEED_PER_REQUEST_MB * 2**20, "That is the seed article's figure, and it is off by 4×: "
-                                                "recompute 4096 × the bytes per token yourself."),
+        "request_bytes", request_bytes, per_request, units=BYTE_UNITS, default_unit="B", rel=0.02,
+        mistakes=[(LESSON_PER_REQUEST_MB * 1e6, lesson_mistake),
+                  (LESSON_PER_REQUEST_MB * 2**20, lesson_mistake),
                   (per_request / 2, "That counts only K or only V."),
                   (per_request * 8, "That is bits, not bytes.")],
-        hint="One request = context tokens × bytes per token.")
+        hint="How many tokens does the request hold, and what does each one cost?")
     n = read_number("requests_that_fit", requests_that_fit)
-    if n == SEED_CONCURRENT:
-        fail(f"requests_that_fit: {SEED_CONCURRENT} is the seed's number, built on its 320 MB figure. "
-             "Divide the 45 GB by your own per-request figure.")
-    note = ""
-    if n == fit_gib and fit_gib != fit:
-        note = f" (You read 45 GB as 45 GiB, which gives {fit_gib}; 45 × 10^9 bytes gives {fit}.)"
-    else:
-        check_close("requests_that_fit", n, fit, rel=0,
-                    mistakes=[(math.ceil(EX_70B_FREE_BYTES / per_request),
-                               "A request cannot be partly resident: round down."),
-                              (EX_70B_FREE_BYTES / per_request, "Whole requests only: round down.")],
-                    hint="Requests that fit = floor(free bytes / bytes per request).")
+    if n == LESSON_CONCURRENT:
+        fail(f"requests_that_fit: {LESSON_CONCURRENT} is the lesson's number, built on its 320 MB figure. "
+             "Use your own per-request figure.")
+    if not n.is_integer():
+        fail(f"requests_that_fit: {fmt(n)} requests? A request's KV cannot be partly resident: "
+             "count whole requests.")
+    gib_reading = 45 * 2**30 / per_request
+    check_close("requests_that_fit", read_count("requests_that_fit", n), fit, rel=0,
+                mistakes=[(math.ceil(EX_70B_FREE_BYTES / per_request),
+                           "A request cannot be partly resident: whole requests only, and none may overflow."),
+                          (math.floor(gib_reading), "You read 45 GB as 45 GiB: GB are 10^9 bytes, GiB 2^30 bytes; "
+                                                    "the exercise gives 45 × 10^9 bytes.")],
+                hint="How many whole requests' KV fit in the memory left for the cache?")
     passed(f"4096 × {m.kv_bytes_per_token // 1024} KiB = {_human(per_request)} per request (not 320 MB); "
-           f"45 GB holds {fit} of them, not {SEED_CONCURRENT}: at full context the seed's GPU serves "
-           f"~{SEED_CONCURRENT // fit}× fewer requests than it claims.{note}")
+           f"45 GB holds {fit} of them, not {LESSON_CONCURRENT}: at full context the lesson's GPU serves "
+           f"~{LESSON_CONCURRENT // fit}× fewer requests than it claims.")
 
 
 # ---- chapter 3: fork and copy-on-write ----------------------------------------------------
@@ -162,13 +178,18 @@ EX_FORK_SAMPLES = 4
 EX_FORK_BLOCK = 16
 
 
+def _fork_expected():
+    from .memory import shared_prompt_counts
+    return shared_prompt_counts(EX_FORK_SAMPLES, EX_FORK_PROMPT, EX_FORK_BLOCK)
+
+
+@graded("3.1")
 def check_fork_copies(blocks_after: object, copies: object) -> None:
-    """Chapter 3: a 37-token prompt (blocks of 16) is forked into 4 samples (the original
+    """Exercise 3.1: a 37-token prompt (blocks of 16) is forked into 4 samples (the original
     and 3 forks), and each of the 4 then appends one token of its own. How many physical
     blocks are in use afterwards, and how many copy-on-write copies were made?"""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    from .memory import shared_prompt_counts
-    c = shared_prompt_counts(EX_FORK_SAMPLES, EX_FORK_PROMPT, EX_FORK_BLOCK)
+    c = _fork_expected()
     n, p, bs = EX_FORK_SAMPLES, EX_FORK_PROMPT, EX_FORK_BLOCK
     full = p // bs
     k = read_count("copies", copies)
@@ -185,7 +206,7 @@ def check_fork_copies(blocks_after: object, copies: object) -> None:
                 mistakes=[(n * c.blocks_per_session, "That is without sharing: the full blocks stay shared."),
                           (c.blocks_shared, "That is before the samples diverge: each copy-on-write adds a block."),
                           (c.blocks_shared + n, "One sample writes into the original block in place.")],
-                hint="Blocks in use = the shared blocks + one new block per copy.")
+                hint="Which blocks are still shared by all four, and what did each copy add?")
     passed(f"{p} tokens = {full} full blocks + 1 block holding {p % bs}: {c.blocks_shared} blocks shared by "
            f"{n} samples; the first {c.copies} to append copy the partial block, the last writes in "
            f"place: {c.blocks_diverged} blocks (without sharing: {n * c.blocks_per_session}).")
@@ -216,8 +237,9 @@ def prefix_reuse_expected(system: int = EX_PREFIX_SYSTEM, question: int = EX_PRE
     return reused, len(b_tokens) - reused
 
 
+@graded("3.2")
 def check_prefix_reuse(reused_tokens: object, computed_tokens: object) -> None:
-    """Chapter 3: request A (1000-token system prompt + a 50-token question) has finished;
+    """Exercise 3.2: request A (1000-token system prompt + a 50-token question) has finished;
     request B brings the same system prompt and another 50-token question. Blocks of 16,
     prefix caching on. How many of B's tokens come from the cache, and how many must be
     computed?"""
@@ -228,31 +250,34 @@ def check_prefix_reuse(reused_tokens: object, computed_tokens: object) -> None:
     check_close("reused_tokens", r, reused, rel=0,
                 mistakes=[(s, f"Only full blocks are cached and matched. {s} is not a multiple of {bs}: "
                               f"the block holding token {s - 1} also holds the start of the question."),
-                          (-(-s // bs) * bs, f"Block {s // bs} mixes the last {s % bs} system-prompt tokens "
-                                             "with the question: its hash differs between A and B, so it is a miss."),
+                          (-(-s // bs) * bs, "The block that holds the end of the system prompt also holds "
+                                             "the start of the question: its hash differs between A and B, so "
+                                             "it is a miss."),
                           (s + q, "The questions differ: their blocks hash differently and are not shared."),
                           (s // bs, "That is the number of blocks; the question asks for tokens.")],
-                hint=f"A cached block is reused when its tokens and every token before it match. "
-                     f"How many whole blocks of {bs} lie inside the shared {s} tokens?")
+                hint="A cached block is reused when its tokens and every token before it match. "
+                     "Which of B's blocks lie entirely inside the shared system prompt?")
     c = read_count("computed_tokens", computed_tokens)
     check_close("computed_tokens", c, computed, rel=0,
-                mistakes=[(q, f"The {s % bs} system-prompt tokens of the partial block are recomputed too."),
+                mistakes=[(q, "The system-prompt tokens that share a block with the question are "
+                              "recomputed too."),
                           (s + q, "The cached tokens need no compute: only the rest of B's prompt runs.")],
-                hint="Computed = B's prompt length - tokens served from the cache.")
+                hint="Every token of B's prompt is either served from the cache or computed.")
     passed(f"{reused // bs} full blocks = {reused} tokens reused, {computed} computed "
            f"({s % bs} system-prompt tokens share a block with the question, and the question itself). "
            f"Compute saved: {reused / (s + q):.0%} of B's prompt.")
 
 
 # ---- chapter 6: the real model ---------------------------------------------------------------
+@graded("6.2")
 def check_prefix_savings(llm, shared_prefix_len: int, num_followers: int, predicted_cached: object,
                          measured: Mapping[str, int]) -> None:
-    """Chapter 6: after one warm-up request, ``num_followers`` requests share the warm-up's
+    """Exercise 6.2: after one warm-up request, ``num_followers`` requests share the warm-up's
     first ``shared_prefix_len`` prompt tokens. ``predicted_cached``: how many prompt tokens
     the prefix cache should serve in all. ``measured``: the engine's counter deltas,
     ``{"num_cached_prompt_tokens": ..., "num_prompt_tokens_computed": ...}``."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    bs = llm.stats()["block_size"]
+    bs = _engine_stats(llm)["block_size"]
     per_request = (shared_prefix_len // bs) * bs
     expected = num_followers * per_request
     p = read_count("predicted_cached", predicted_cached)
@@ -264,11 +289,12 @@ def check_prefix_savings(llm, shared_prefix_len: int, num_followers: int, predic
                           (per_request, f"That is one request's share; {num_followers} requests each reuse it."),
                           (num_followers * (-(-shared_prefix_len // bs)) * bs,
                            "The block that mixes shared and private tokens differs between requests: a miss.")],
-                hint=f"Each follower reuses the whole {bs}-token blocks of the shared prefix.")
+                hint="Which of a follower's blocks can the cache serve, and how many followers are there?")
     got = measured.get("num_cached_prompt_tokens") if isinstance(measured, Mapping) else None
     if got is None:
         fail("measured: pass a dict with the engine's 'num_cached_prompt_tokens' (and "
              "'num_prompt_tokens_computed') for the followers' run.")
+    got = read_count("measured['num_cached_prompt_tokens']", got)
     if got != expected:
         fail(f"measured: the engine reports {got} cached prompt tokens, your prediction (right) says "
              f"{expected}. Did the followers run after the warm-up finished (a block enters the cache "
@@ -278,35 +304,40 @@ def check_prefix_savings(llm, shared_prefix_len: int, num_followers: int, predic
            "measured: that many tokens' K and V were never computed.")
 
 
+@graded("6.1")
 def check_speedup(measured: Mapping[str, Mapping[str, float]], speedup: object) -> None:
-    """Chapter 6: ``measured`` maps an engine name to ``{"wall_s", "output_tokens"}``;
+    """Exercise 6.1: ``measured`` maps an engine name to ``{"wall_s", "output_tokens"}``;
     ``speedup`` is labkit's output tokens/s divided by hf-static's."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     try:
         ours, theirs = measured["labkit"], measured["hf-static"]
-        tps = ours["output_tokens"] / ours["wall_s"]
-        base = theirs["output_tokens"] / theirs["wall_s"]
-    except (KeyError, TypeError, ZeroDivisionError):
+        tps = float(ours["output_tokens"]) / float(ours["wall_s"])
+        base = float(theirs["output_tokens"]) / float(theirs["wall_s"])
+        if not (math.isfinite(tps) and math.isfinite(base) and tps > 0 and base > 0):
+            raise ValueError("rates must be positive")
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         fail("measured: expected {'labkit': {'wall_s', 'output_tokens'}, 'hf-static': {...}} "
              "as the measuring cell builds it; run that cell first.")
     if ours["output_tokens"] != theirs["output_tokens"]:
         fail("measured: the two engines produced different numbers of tokens; compare equal work.")
-    x = read_number("speedup", speedup)
+    x = read_ratio("speedup", speedup)
     check_close("speedup", x, tps / base, rel=0.01,
                 mistakes=[(base / tps, "That is hf-static over labkit; the speedup is labkit's rate over hf-static's."),
                           (ours["wall_s"] / theirs["wall_s"], "Same work, so the ratio of rates is the inverse "
                                                              "ratio of times: hf time / labkit time.")],
-                hint="speedup = (labkit output tokens / labkit seconds) / (hf output tokens / hf seconds).")
+                hint="Compare the two engines' output rates (tokens per second), labkit's over hf-static's.")
     passed(f"labkit {tps:.1f} tok/s vs hf-static {base:.1f} tok/s: {tps / base:.2f}× on this machine, now.")
 
 
+@graded("0.2")
 def check_batch_iterations(llm, prompt_lens: list[int], max_tokens: int, predicted_steps: object,
                            measured_steps: object) -> None:
-    """Chapter 0: prompts of ``prompt_lens`` tokens, submitted together, each generating
+    """Exercise 0.2: prompts of ``prompt_lens`` tokens, submitted together, each generating
     exactly ``max_tokens`` tokens (EOS ignored). How many engine iterations does serving
     them take? ``measured_steps``: the change of ``llm.stats()["num_steps"]``."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     from ..sim import TraceRequest, simulate
+    _engine_stats(llm)
     sched = llm.scheduler
     trace = [TraceRequest(n, max_tokens) for n in prompt_lens]
     sim = simulate(trace, num_blocks=sched.allocator.num_blocks, block_size=sched.block_size,
@@ -330,3 +361,32 @@ def check_batch_iterations(llm, prompt_lens: list[int], max_tokens: int, predict
     passed(f"{expected} iterations for {k} × {max_tokens} = {k * max_tokens} tokens: the first iteration "
            f"prefills all {k} prompts and samples their first tokens, each later one decodes a token "
            "for every request at once.")
+
+
+def answer_forms() -> dict[str, list[str]]:
+    """For each exercise, the strings that would give its answer away (for the leak scan):
+    the values in the forms the graders accept, and for answers that depend on the machine
+    (the engine's size, a timing) the key expression."""
+    m = _llama70b()
+    per_token, per_request = m.kv_bytes_per_token, EX_70B_CONTEXT * m.kv_bytes_per_token
+    fit = math.floor(EX_70B_FREE_BYTES / per_request)
+    fork = _fork_expected()
+    reused, computed = prefix_reuse_expected()
+    formula = [2, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype_bytes]
+    return {
+        "0.1": ['stats["num_total_blocks"] * stats["block_size"]',
+                "stats['num_total_blocks'] * stats['block_size']",
+                'stats["kv_cache_bytes"] / capacity_tokens'],
+        "0.2": ["predicted_steps = params.max_tokens", "predicted_steps = 16", "16 iterations, not"],
+        "1.1": (number_forms(per_token) + quantity_forms(per_token, BYTE_UNITS, ["KiB"])
+                + [sep.join(str(f) for f in formula) for sep in (" * ", "*", " × ", "×")]),
+        "1.2": (number_forms(per_request) + quantity_forms(per_request, BYTE_UNITS, ["GiB", "MiB"])
+                + [f"{fit} requests", f"{fit} of them", f"floor(45e9 / {per_request})"]),
+        "3.1": [f"{fork.copies} copies", f"{fork.blocks_diverged} blocks in use",
+                f"{fork.blocks_diverged} physical blocks"],
+        "3.2": [f"{reused} tokens", f"{reused} of", f"{computed} tokens", f"{reused} reused",
+                f"{computed} computed"],
+        "6.1": ['rate["labkit"] / rate["hf-static"]'],
+        "6.2": ["(shared_prefix_len // block_size) * block_size",
+                "num_followers * (shared_prefix_len // "],
+    }

@@ -17,12 +17,14 @@ natural ``exp``: the algebra is the same.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import random
 from typing import Callable
 
 import torch
 
-from ._grading import fail, passed
+from ._grading import fail, graded, passed
 
 _ATOL = 1e-5
 _RTOL = 1e-4
@@ -78,6 +80,7 @@ def random_block_tables(num_seqs: int = 5, block_size: int = 4, num_blocks: int 
     return bt, lens, tables
 
 
+@graded("5.1")
 def check_slot_mapping(decode_slot_mapping: Callable) -> None:
     """Exercise 5.1: ``decode_slot_mapping(block_tables, context_lens, block_size)`` returns
     the slot of each sequence's newest token (position ``context_lens[s] - 1``)."""
@@ -99,18 +102,31 @@ def check_slot_mapping(decode_slot_mapping: Callable) -> None:
         if torch.equal(got, blocks):
             fail("decode_slot_mapping: those are block ids; a slot is block_id * block_size + offset.")
         bad = int((got != expected).nonzero()[0, 0])
-        fail(f"decode_slot_mapping: wrong slot for sequence {bad} (block size {bs}, context length "
-             f"{int(lens[bad])}, block table {tables[bad].block_ids}): got {int(got[bad])}. "
-             "slot = block_tables[s, pos // block_size] * block_size + pos % block_size.")
+        slot, table = int(got[bad]), tables[bad]
+        where = (f"sequence {bad} (block size {bs}, context length {int(lens[bad])}, block table "
+                 f"{table.block_ids}) got slot {slot}")
+        block, offset = divmod(slot, bs)
+        right_block = table.block_ids[(table.num_tokens - 1) // bs]
+        if block not in table.block_ids:
+            fail(f"decode_slot_mapping: {where}, which lies in block {block}: not one of this sequence's "
+                 "blocks. The physical block comes from the sequence's row of the block table.")
+        if block != right_block:
+            fail(f"decode_slot_mapping: {where}, in block {block}: one of its blocks, but not the one "
+                 "holding its newest token. Which logical block does that position fall in?")
+        fail(f"decode_slot_mapping: {where}: the right block ({block}) but the wrong offset in it "
+             f"({offset}). Where in its block does the newest position fall?")
     passed("Slots match BlockTable.slot on real block tables (block sizes 1, 4, 8, 16): "
            "slot = block_tables[s, pos // block_size] * block_size + pos % block_size.")
 
 
 # ---- exercise 5.2: the online softmax step -------------------------------------------------
-def _reference_step(m, l, acc, s, v, rescale_acc=True, rescale_l=True):
+def _reference_step(m, l, acc, s, v, rescale_acc=True, rescale_l=True, accumulate=True):
+    """The step, or one of the mistakes students make (a flag switched off)."""
     m_new = torch.maximum(m, s.max(dim=1).values)
     alpha = torch.exp(m - m_new)
     p = torch.exp(s - m_new[:, None])
+    if not accumulate:
+        return m_new, p.sum(dim=1), p @ v
     l_new = (l * alpha if rescale_l else l) + p.sum(dim=1)
     acc_new = (acc * alpha[:, None] if rescale_acc else acc) + p @ v
     return m_new, l_new, acc_new
@@ -156,6 +172,7 @@ def _softmax_cases():
     return cases
 
 
+@graded("5.2")
 def check_online_softmax(online_softmax_step: Callable) -> None:
     """Exercise 5.2: ``online_softmax_step(m, l, acc, s, v) -> (m, l, acc)`` folds one tile
     of scores ``s`` [rows, T] and values ``v`` [T, d] into the running max ``m`` [rows],
@@ -173,26 +190,81 @@ def check_online_softmax(online_softmax_step: Callable) -> None:
                 fail(f"{name}: the output is right but m is not the running maximum of the scores.")
             continue
         if not torch.isfinite(out).all():
-            fail(f"{name}: NaN or inf in the result on {what}. Subtract the running maximum before "
-                 "exp, and make sure exp(-inf - m) gives 0 (m is finite after the first tile).")
-        for kwargs, hint in (({"rescale_acc": False}, "acc is not rescaled: when the maximum grows from "
-                                                      "m to m_new, multiply what acc holds by exp(m - m_new)."),
-                             ({"rescale_l": False}, "l is not rescaled: when the maximum grows from m to "
-                                                    "m_new, multiply l by exp(m - m_new) before adding."),
+            fail(f"{name}: NaN or inf in the result on {what}. Are the exponentials taken relative to "
+                 "the running maximum, so that none can overflow, and do masked (-inf) scores "
+                 "contribute exactly nothing?")
+        for kwargs, hint in (({"rescale_acc": False}, "acc is not rescaled: what it holds was weighted "
+                                                      "relative to the old maximum, and the new terms "
+                                                      "relative to the new one."),
+                             ({"rescale_l": False}, "l is not rescaled: the sum it holds is relative to the "
+                                                    "old maximum, the new terms to the new one."),
                              ({"rescale_acc": False, "rescale_l": False},
-                              "neither l nor acc is rescaled when the maximum grows (factor exp(m - m_new))."),
+                              "neither l nor acc is brought from the old maximum to the new one when a "
+                              "tile raises it."),
+                             ({"accumulate": False}, "the step forgets the earlier tiles: l and acc must "
+                                                     "carry everything folded in so far."),
                              ):
             rm, rl, racc = _fold(lambda *a: _reference_step(*a, **kwargs), s_tiles, v_tiles, rows, d, "")
             if torch.allclose(out, racc / rl[:, None], rtol=_RTOL, atol=_ATOL):
                 fail(f"{name}: wrong on {what}: {hint}")
-        fail(f"{name}: acc / l differs from softmax(s) @ v on {what}. New max: m_new = max(m, max of "
-             "the tile's scores); p = exp(s - m_new); l = l * exp(m - m_new) + sum(p); "
-             "acc = acc * exp(m - m_new) + p @ v.")
+        fail(f"{name}: acc / l differs from softmax(s) @ v on {what}. Go through section 4 again: "
+             "the running maximum, what changes for l and acc when a tile raises it, and what the "
+             "tile itself adds.")
     passed("online softmax matches softmax(s) @ v over every tiling tried, including growing maxima, "
            "masked slots and scores near 800 (where a plain exp would overflow).")
 
 
 # ---- exercise 5.3: one sequence's paged decode --------------------------------------------------
+def _decode_variant(q, k_cache, v_cache, block_table, context_len, scale, *, use_table=True,
+                    whole_blocks=False, head_map="group"):
+    """One sequence's decode attention, right or with one of the usual mistakes: logical block
+    ``i`` read as physical block ``i`` (``use_table=False``), every slot of the last block read
+    (``whole_blocks``), query head ``h`` sent to KV head ``h % kv_heads`` (``head_map="modulo"``)."""
+    num_heads, d = q.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    group = num_heads // kv_heads
+    n_blocks = -(-context_len // bs)
+    ids = [int(block_table[i]) if use_table else i for i in range(n_blocks)]
+    k = torch.cat([k_cache[b] for b in ids])            # [n_blocks * bs, kv_heads, d]
+    v = torch.cat([v_cache[b] for b in ids])
+    if not whole_blocks:
+        k, v = k[:context_len], v[:context_len]
+    out = torch.empty_like(q)
+    for h in range(num_heads):
+        kv = h // group if head_map == "group" else h % kv_heads
+        out[h] = torch.softmax(k[:, kv] @ q[h] * scale, dim=0) @ v[:, kv]
+    return out
+
+
+_DECODE_MISTAKES = (
+    ({"use_table": False}, "it reads logical block i from physical block i of the cache. A sequence's "
+                           "blocks lie wherever the allocator put them: its block table says which "
+                           "physical block holds its logical block i."),
+    ({"whole_blocks": True}, "it reads every slot of the last block, past the end of the context. The "
+                             "last block is only partly filled: how many of its tokens belong to the "
+                             "sequence?"),
+    ({"head_map": "modulo"}, "query heads are paired with the wrong KV heads. Under GQA, consecutive "
+                             "query heads form a group that shares one KV head."),
+)
+
+
+def _broken_step_in(fn: object) -> str | None:
+    """Why ``fn`` fails because of the student's own ``online_softmax_step`` (the notebook's
+    ``paged_decode_one`` calls it), or None when it does not call one or that one is right."""
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    step = scope.get("online_softmax_step")
+    if code is None or "online_softmax_step" not in code.co_names or not callable(step):
+        return None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            check_online_softmax(step)
+    except AssertionError as e:
+        return (f"paged_decode_one: it calls your online_softmax_step, which does not pass exercise 5.2 "
+                f"yet ({str(e)[:160]}). Make 5.2 pass first.")
+    return None
+
+
+@graded("5.3")
 def check_paged_decode(paged_decode_one: Callable) -> None:
     """Exercise 5.3: ``paged_decode_one(q, k_cache, v_cache, block_table, context_len, scale)``
     for one sequence (q [num_heads, d], block_table a 1-D tensor of block ids) must equal
@@ -211,13 +283,41 @@ def check_paged_decode(paged_decode_one: Callable) -> None:
             scale = d ** -0.5
             expected = paged_decode_attention_ref(q[None], k_cache, v_cache, blocks[None],
                                                   torch.tensor([context_len], dtype=torch.int32), scale)[0]
-            got = _call(paged_decode_one, name, q.clone(), k_cache, v_cache, blocks.clone(), context_len, scale)
-            got = _as_tensor(f"{name}(...)", got, tuple(q.shape), torch.float32)
+            try:
+                got = _call(paged_decode_one, name, q.clone(), k_cache, v_cache, blocks.clone(), context_len, scale)
+                got = _as_tensor(f"{name}(...)", got, tuple(q.shape), torch.float32)
+                error = None
+            except AssertionError as e:
+                error = str(e)
+            if error is not None:     # outside the except block: no "during handling" chain
+                fail(_broken_step_in(paged_decode_one) or error)
             if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+                broken = _broken_step_in(paged_decode_one)
+                if broken:
+                    fail(broken)
+                case = (f"block size {bs}, context length {context_len}, {kv_heads} KV heads × {group} "
+                        f"query heads each, block table {blocks[:n].tolist()}")
+                for kwargs, hint in _DECODE_MISTAKES:
+                    wrong = _decode_variant(q, k_cache, v_cache, blocks, context_len, scale, **kwargs)
+                    if not torch.allclose(wrong, expected, rtol=1e-4, atol=1e-5) and \
+                            torch.allclose(got, wrong, rtol=1e-4, atol=1e-5):
+                        fail(f"{name}: wrong on {case}: {hint}")
                 err = (got - expected).abs().max().item()
-                fail(f"{name}: differs from the reference by up to {err:.3g} (block size {bs}, "
-                     f"context length {context_len}, {kv_heads} KV heads × {group} query heads each). "
-                     "Check which slots of the last block are read (only context_len tokens in all) "
-                     "and that query head h reads KV head h // group.")
+                fail(f"{name}: differs from the reference by up to {err:.3g} ({case}). Check each "
+                     "step: which physical block holds logical block i, how many of its tokens "
+                     "belong to the sequence, and which KV head each query head reads.")
     passed("paged_decode_one equals paged_decode_attention_ref for block sizes 4, 8, 16, GQA groups "
            "1-3, and contexts that end mid-block: the kernel's algorithm, in torch.")
+
+
+def answer_forms() -> dict[str, list[str]]:
+    """What would give each exercise's answer away before its check: chapter 5's answers are
+    code, so the forms are the solution's key expressions (the formula a hint must not state)."""
+    return {
+        "5.1": ["pos // block_size] * block_size + pos % block_size",
+                "blocks * block_size + pos % block_size"],
+        "5.2": ["l * exp(m - m_new) + sum(p)", "acc * exp(m - m_new) + p @ v",
+                "l * alpha + p.sum(dim=1)", "acc * alpha[:, None] + p @ v",
+                "l = l * torch.exp(m - m_new) + p.sum(dim=1)"],
+        "5.3": ["block = int(block_table[i])", "n = min(block_size, context_len - i * block_size)"],
+    }

@@ -1,9 +1,10 @@
-"""Graders for the memory chapter's exercises (PagedAttention and the waste it removes).
+"""Graders for the three exercises of the PagedAttention lesson ("PagedAttention and
+continuous batching", whose exercises 1-3 are this lab's 1.3, 2.1 and 3.3).
 
 Every expected value is computed here from the real memory layer: the waste accounting
-for exercise 1, a real ``BlockTable`` for exercise 2, and 500 real block tables sharing
-one prompt for exercise 3. If the engine's block size or accounting changed, the graders
-would follow it.
+for exercise 1.3, a real ``BlockTable`` for 2.1, and 500 real block tables sharing one
+prompt for 3.3. If the engine's block size or accounting changed, the graders would
+follow it.
 
     from labkit.exercises import check_exercise_1
     check_exercise_1(fraction_used=..., utilization_100=...)
@@ -15,10 +16,10 @@ import functools
 from dataclasses import dataclass
 
 from ..memory import BlockAllocator, BlockTable, SeqUsage, contiguous_waste, paged_waste
-from ._grading import (MEMORY_UNITS_MIB, check_close, check_quantity, check_text, fail, fmt,
-                       passed, read_count, read_fraction, read_number)
+from ._grading import (MEMORY_UNITS_MIB, check_choices, check_close, check_quantity, check_share, fail,
+                       fmt, graded, passed, quantity_forms, read_count, read_number)
 
-# ---- exercise 1: what a max-length reservation wastes -----------------------------------
+# ---- exercise 1.3 (the lesson's exercise 1): what a max-length reservation wastes -----------------------------------
 EX1_GENERATED = 200        # tokens the request produces
 EX1_RESERVED = 4096        # slots naive serving reserved for it: the model's maximum length
 EX1_REQUESTS = 100
@@ -30,27 +31,26 @@ def _exercise_1_expected() -> tuple[float, float]:
             contiguous_waste([one] * EX1_REQUESTS).utilization)
 
 
+@graded("1.3")
 def check_exercise_1(fraction_used: object, utilization_100: object) -> None:
-    """Exercise 1: a request generates 200 tokens into a 4096-slot reservation. Give the
+    """Exercise 1.3: a request generates 200 tokens into a 4096-slot reservation. Give the
     fraction of the reservation used, and the utilization with 100 such requests in
     parallel (fractions like 0.05 or percents like 5 are both fine)."""
     single, many = _exercise_1_expected()
     wasted = 1 - single
-    used = read_fraction("fraction_used", fraction_used)
-    check_close(
-        "fraction_used", used, single, rel=0.03, shown=_as_percent(used),
+    check_share(
+        "fraction_used", fraction_used, single, rel=0.03,
         mistakes=[
             (EX1_RESERVED / EX1_GENERATED / 100,
-             "You divided 4096 by 200 (reserved by used); the fraction used is used / reserved."),
-            (wasted, "That is the share wasted (3896 empty slots); the question asks for the share used."),
+             "You divided the reservation by what is used: the other way round."),
+            (wasted, "That is the share wasted; the question asks for the share used."),
             (EX1_GENERATED / (EX1_RESERVED - EX1_GENERATED),
-             "You divided by the empty slots (3896); divide by all the slots reserved (4096)."),
+             "You divided by the empty slots only; the whole is every slot reserved."),
         ],
-        hint="Fraction used = slots holding tokens / slots reserved.",
+        hint="Compare the slots that hold tokens with all the slots reserved for the request.",
     )
-    util = read_fraction("utilization_100", utilization_100)
-    check_close(
-        "utilization_100", util, many, rel=0.03, shown=_as_percent(util),
+    check_share(
+        "utilization_100", utilization_100, many, rel=0.03,
         mistakes=[
             (single / EX1_REQUESTS,
              "More requests do not dilute the use: the used slots grow 100×, and so do the reserved ones."),
@@ -58,16 +58,16 @@ def check_exercise_1(fraction_used: object, utilization_100: object) -> None:
             (1.0, "Each reservation is private: one request cannot put its tokens in another's "
                   "empty slots, so running 100 of them fills nothing more."),
         ],
-        hint=f"Utilization = all slots holding tokens / all slots reserved, over the {EX1_REQUESTS} "
-             "requests together.",
+        hint=f"Count, over the {EX1_REQUESTS} requests together, the slots that hold tokens and the "
+             "slots reserved.",
     )
     used_slots, reserved_slots = EX1_REQUESTS * EX1_GENERATED, EX1_REQUESTS * EX1_RESERVED
-    passed(f"Exercise 1: {EX1_GENERATED}/{EX1_RESERVED} = {single:.1%} of the reservation holds tokens; "
+    passed(f"Exercise 1.3: {EX1_GENERATED}/{EX1_RESERVED} = {single:.1%} of the reservation holds tokens; "
            f"with {EX1_REQUESTS} such requests still {many:.1%} ({used_slots:,} of {reserved_slots:,} "
            f"slots): reserving the maximum wastes {wasted:.1%} however many requests run.")
 
 
-# ---- exercise 2: internal fragmentation of one paged sequence ----------------------------
+# ---- exercise 2.1 (the lesson's exercise 2): internal fragmentation of one paged sequence ----------------------------
 EX2_BLOCK_SIZE = 16
 EX2_TOKENS = 70
 
@@ -82,8 +82,9 @@ def _exercise_2_expected() -> tuple[int, int, float]:
     return table.num_blocks, table.num_free_slots, table.num_free_slots / EX2_TOKENS
 
 
+@graded("2.1")
 def check_exercise_2(num_blocks: object, wasted_slots: object, internal_fragmentation: object) -> None:
-    """Exercise 2: blocks of 16 slots, a sequence of 70 tokens. Give the blocks it occupies,
+    """Exercise 2.1: blocks of 16 slots, a sequence of 70 tokens. Give the blocks it occupies,
     the empty slots of its last block, and the internal fragmentation as a fraction (or
     percent) of the sequence length."""
     blocks, empty, frag = _exercise_2_expected()
@@ -91,31 +92,30 @@ def check_exercise_2(num_blocks: object, wasted_slots: object, internal_fragment
     nb = read_number("num_blocks", num_blocks)
     if not nb.is_integer():
         fail(f"num_blocks: {fmt(nb)} blocks? Blocks are allocated whole: a partly filled "
-             f"block still takes a whole block, so round {n}/{bs} up.")
+             "block still takes a whole block.")
     check_close("num_blocks", read_count("num_blocks", nb), blocks, rel=0,
-                mistakes=[(n // bs, f"{n // bs} full blocks hold {n // bs * bs} tokens; the other "
-                                    f"{n % bs} still need a block of their own: round up.")],
+                mistakes=[(n // bs, "That counts the full blocks only; the tokens left over after them "
+                                    "need a block too.")],
                 hint=f"Each block holds {bs} tokens; how many blocks do {n} tokens need?")
     check_close("wasted_slots", read_count("wasted_slots", wasted_slots), empty, rel=0,
-                mistakes=[(n % bs, f"{n % bs} is how many tokens the last block holds ({n} - "
-                                   f"{n // bs * bs}); the wasted slots are the rest of that block.")],
-                hint="Wasted slots = slots in the blocks you counted minus tokens stored.")
-    share = read_fraction("internal_fragmentation", internal_fragmentation)
-    check_close(
-        "internal_fragmentation", share, frag, rel=0.02, shown=_as_percent(share),
+                mistakes=[(n % bs, "That is how many tokens the last block holds; the question asks for "
+                                   "its empty slots.")],
+                hint="Only the last block can have empty slots: how many of its slots hold no token?")
+    check_share(
+        "internal_fragmentation", internal_fragmentation, frag, rel=0.02,
         mistakes=[
-            (empty / (blocks * bs), f"{empty}/{blocks * bs} is the share of the allocated slots; the "
-                                    f"exercise asks relative to the sequence length, {n} tokens."),
-            ((n % bs) / n, f"{n % bs} is the number of tokens in the last block, not the empty slots."),
+            (empty / (blocks * bs), "That is relative to the allocated slots; the exercise measures the "
+                                    "wasted slots against the sequence's length."),
+            ((n % bs) / n, "That uses the tokens in the last block, not its empty slots."),
         ],
-        hint=f"Internal fragmentation = wasted slots / sequence length ({n} tokens).",
+        hint="Express the wasted slots as a share of the sequence's length, as the exercise defines it.",
     )
-    passed(f"Exercise 2: {n} tokens fill {n // bs} blocks and {n % bs} slots of one more: {blocks} blocks, "
+    passed(f"Exercise 2.1: {n} tokens fill {n // bs} blocks and {n % bs} slots of one more: {blocks} blocks, "
            f"{empty} empty slots, {empty}/{n} = {frag:.1%} internal fragmentation (never more than "
            f"{bs - 1} slots per sequence, however long it grows).")
 
 
-# ---- exercise 3: sharing a system prompt with copy-on-write ------------------------------
+# ---- exercise 3.3 (the lesson's exercise 3): sharing a system prompt with copy-on-write ------------------------------
 EX3_SESSIONS = 500
 EX3_PROMPT = 1000
 EX3_MIB_PER_TOKEN = 1
@@ -157,26 +157,59 @@ def shared_prompt_counts(sessions: int = EX3_SESSIONS, prompt_len: int = EX3_PRO
                               sum(prompt_slots.values()))
 
 
-_ASSUMPTION_HINT = (
-    "What must hold for 500 sessions to read one copy of the prefix's K and V, and for "
-    "copy-on-write to be enough? Think about what a token's KV depends on and who may write it."
-)
-_ASSUMPTION_ACCEPT = [
-    r"read[- ]?only", r"immutab", r"unchang", r"never (be )?(written|modified|changed|overwritten|updated)",
-    r"(not|n't|no one|nobody|never|none)\b.{0,30}\b(writ|modif|chang|overwr|updat|mutat)",
-    r"(same|identical|equal)\b.{0,30}\b(tokens?|prefix|prompt|positions?|model|weights|inputs?|context)",
-    r"(tokens?|prefix|prompt|positions?|weights|model)\b.{0,40}\b(same|identical|equal)",
-    r"depends? (only )?on\b.{0,30}\b(prefix|preceding|previous|earlier|before|tokens)",
-    r"causal", r"determinis",
-]
-_ASSUMPTION_REJECT = [r"\b(i don'?t know|no idea|idk|dunno)\b"]
+#: Exercise 3.3's statements: the student picks those that make the sharing safe. Three
+#: are needed; the others are the misconceptions students bring (or true but beside the point).
+SHARING_STATEMENTS: dict[str, str] = {
+    "A": "All sessions use the same tokenizer.",
+    "B": "A token's K and V depend only on that token, its position and the tokens before it "
+         "(and the model's weights): attention is causal.",
+    "C": "The KV cache is deterministic: a model always computes the same K and V.",
+    "D": "The sessions' prefixes hold the same tokens; where in the sequence they stand does not matter.",
+    "E": "Every session's prefix is the same tokens at the same positions, run through the same "
+         "model weights.",
+    "F": "Attention is not causal: each token's K and V take the whole sequence into account.",
+    "G": "Each session, computing the prefix on its own, would get bit-for-bit the same K and V "
+         "whatever else ran in its batch.",
+    "H": "No session writes into a block that another still holds: a writer copies the block "
+         "first (copy-on-write).",
+    "I": "The GPU has enough memory for every session's own copy of the prefix.",
+    "J": "The sessions release the prefix in the order they started.",
+}
+SHARING_SAFE = frozenset("BEH")
+_WHY_WRONG = {
+    "A": "a common tokenizer does not make two prompts equal. What the K and V depend on are the "
+         "token ids themselves and where they stand.",
+    "C": "determinism alone says nothing about two different sessions: K and V are equal only where "
+         "everything they are computed from is equal. What must be equal, and why can the sessions' "
+         "different continuations not change it?",
+    "D": "positions matter. Rotary position embeddings rotate each key by its position, so the same "
+         "token at another position has another K. Sharing works because the prefix stands at the "
+         "same positions, from 0, in every session.",
+    "F": "if that were so, sharing would be unsafe: the sessions' different continuations would "
+         "change the prefix's K and V. In a decoder-only model attention is causal.",
+    "G": "that is not even true: batching changes the order of floating-point sums, so a prefix "
+         "computed in another batch can differ in its last bits (chapter 6 sees it). Sharing does "
+         "not need it: every session reads the one stored copy, a correct computation of that prefix.",
+    "I": "that is what sharing saves, not what makes it correct.",
+    "J": "reference counts handle any order: a shared block returns to the pool when its last "
+         "holder lets go, whoever that is.",
+}
+_WHY_NEEDED = {
+    "B": "The sessions diverge after the prefix: why can what comes later never change the "
+         "prefix's K and V?",
+    "E": "For two sessions to read one copy, their prefix K and V must be equal: which inputs "
+         "must be equal for that?",
+    "H": "The sessions diverge and write new tokens: what keeps those writes out of the blocks "
+         "the other sessions still read?",
+}
 
 
-def check_exercise_3(without_mib: object, with_mib: object, assumption: object) -> None:
-    """Exercise 3: 500 sessions share a 1000-token system prompt, 1 MiB of KV per token.
-    Give the prefix's KV memory without and with copy-on-write block sharing (numbers in
-    MiB, or strings with a unit like "488 GiB"), and, as a sentence, the assumption that
-    makes the sharing safe."""
+@graded("3.3")
+def check_exercise_3(without_mib: object, with_mib: object, safe_because: object) -> None:
+    """Exercise 3.3: 500 sessions share a 1000-token system prompt, 1 MiB of KV per token.
+    Give the prefix's KV memory without and with copy-on-write block sharing (bare numbers
+    are MiB; strings with a unit like "2 GiB" are converted), and ``safe_because``: the
+    letters of the ``SHARING_STATEMENTS`` that make the sharing safe (e.g. {"X", "Y"})."""
     c = shared_prompt_counts()
     n, p, bs, mib = EX3_SESSIONS, EX3_PROMPT, EX3_BLOCK_SIZE, EX3_MIB_PER_TOKEN
     ideal_without, exact_without = n * p * mib, n * c.blocks_per_session * bs * mib
@@ -185,14 +218,14 @@ def check_exercise_3(without_mib: object, with_mib: object, assumption: object) 
     full, tail = p // bs, p % bs
     got_without, _, _ = check_quantity(
         "without_mib", without_mib, [ideal_without, exact_without], units=MEMORY_UNITS_MIB,
-        default_unit="MiB", bare_also=("GiB",), rel=0.025,
+        default_unit="MiB", rel=0.025,
         mistakes=[(p * mib, "That is one session's copy; without sharing each of the 500 sessions "
                             "stores its own copy of the prefix.")],
-        hint="Without sharing, every session stores the whole prefix: sessions × tokens × MiB per token.",
+        hint="Without sharing, what does every session store, and how many sessions are there?",
     )
     got_with, _, _ = check_quantity(
         "with_mib", with_mib, [ideal_with, blocks_with, diverged_with], units=MEMORY_UNITS_MIB,
-        default_unit="MiB", bare_also=("GiB",), rel=0.025,
+        default_unit="MiB", rel=0.025,
         mistakes=[
             (ideal_without, "That is the memory without sharing; with sharing the sessions' block "
                             "tables all point at the same physical blocks."),
@@ -200,15 +233,15 @@ def check_exercise_3(without_mib: object, with_mib: object, assumption: object) 
                             "tables all point at the same physical blocks."),
             (p * mib / n, "Sharing does not split the prefix into 500 parts: one full copy is "
                           "stored, and all 500 sessions read it."),
-            ((full + n) * bs * mib, f"That counts the {n} copied last blocks whole, but only {tail} "
-                                    f"of each one's {bs} slots hold prompt tokens."),
-            (n * tail * mib, f"That is only the {n} copies of the partial last block; the {full} full "
+            ((full + n) * bs * mib, f"That counts the {n} copied last blocks whole, but only some of "
+                                    "each one's slots hold prompt tokens."),
+            (n * tail * mib, f"That is only the {n} copies of the partial last block; the full "
                              "blocks are stored once, and they count too."),
         ],
         hint="With copy-on-write sharing, how many copies of the prefix's KV exist?",
     )
-    check_text("assumption", assumption, _ASSUMPTION_ACCEPT, reject=_ASSUMPTION_REJECT,
-               hint=_ASSUMPTION_HINT)
+    check_choices("safe_because", safe_because, SHARING_STATEMENTS, SHARING_SAFE,
+                  why_wrong=_WHY_WRONG, why_needed=_WHY_NEEDED)
     ratio = ideal_without / ideal_with
     if got_with == ideal_with:
         exact = (f"Block-exact with {bs}-slot blocks: {full} full blocks + 1 block holding the last "
@@ -225,12 +258,31 @@ def check_exercise_3(without_mib: object, with_mib: object, assumption: object) 
                  f"{diverged_with:,} MiB; the ideal (one copy, no block rounding) is {ideal_with:,} MiB.")
     without_note = ("" if got_without == ideal_without else
                     f" ({n} × {c.blocks_per_session} blocks × {bs} slots; {ideal_without:,} MiB of it holds tokens)")
-    passed(f"Exercise 3: without sharing {n} × {p} MiB = {ideal_without:,} MiB "
+    passed(f"Exercise 3.3: without sharing {n} × {p} MiB = {ideal_without:,} MiB "
            f"({ideal_without / 1024:,.1f} GiB){without_note}; with sharing the prefix is stored once: "
-           f"{ideal_with:,} MiB, {ratio:.0f}× less. {exact} Safe because the shared KV is read-only: "
-           "a token's K and V depend only on the tokens before it (same tokens, same positions, "
-           "same model), and a session that writes copies first.")
+           f"{ideal_with:,} MiB, {ratio:.0f}× less. {exact} Safe because attention is causal (a token's K and V "
+           "depend only on it and the tokens before it), the prefix is the same tokens at the same "
+           "positions through the same weights in every session, and a session that writes copies first.")
 
 
-def _as_percent(share: float) -> str:
-    return f"{share:.4g} ({share:.2%})"
+def answer_forms() -> dict[str, list[str]]:
+    """For each exercise, the strings that would give its answer away (for the leak scan)."""
+    single, many = _exercise_1_expected()
+    blocks, empty, frag = _exercise_2_expected()
+    c = shared_prompt_counts()
+    picks = sorted(SHARING_SAFE)
+    def shares(x: float) -> list[str]:
+        percents = [f"{100 * x:.{d}g}" for d in (2, 3, 4)]
+        return list(dict.fromkeys([f"{v}{space}%" for v in percents if "." in v for space in ("", " ")]
+                                  + [f"{x:.3g}", f"{x:.4f}"]))
+
+    return {
+        "1.3": shares(single),
+        "2.1": shares(frag) + [f"{empty}/{EX2_TOKENS}", f"{empty} / {EX2_TOKENS}"],
+        "3.3": (quantity_forms(EX3_SESSIONS * EX3_PROMPT * EX3_MIB_PER_TOKEN, MEMORY_UNITS_MIB,
+                               ["MiB", "GiB"])
+                + quantity_forms(EX3_PROMPT * EX3_MIB_PER_TOKEN, MEMORY_UNITS_MIB, ["MiB"])
+                + quantity_forms(c.prompt_slots_diverged * EX3_MIB_PER_TOKEN, MEMORY_UNITS_MIB, ["MiB"])
+                + ["{" + ", ".join(f"{q}{x}{q}" for x in picks) + "}" for q in "'\""]
+                + ["".join(picks), ", ".join(picks)]),
+    }

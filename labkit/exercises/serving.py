@@ -3,8 +3,9 @@
 The expected values come from the run the student just made: the client-side timings of
 the requests they sent, and the engine's ``StepRecord``s (``server.engine.records()``).
 
-* ``check_ttft_p50``: the median time to first token, from the client's timings;
-* ``check_joins``: the iteration at which each request joined the running batch, and which
+* ``check_ttft_p50`` (8.1): the median time to first token, from the client's timings, as
+  ``statistics.median`` defines it (for an even count, the mean of the two middle values);
+* ``check_joins`` (8.2): the iteration at which each request joined the running batch, and which
   requests were decoding in the iteration where a given one joined.
 """
 
@@ -13,7 +14,10 @@ from __future__ import annotations
 import statistics
 from typing import Iterable, Mapping, Sequence
 
-from ._grading import explain_mistake, fail, fmt, is_close, passed, read_count, read_number
+from ._grading import explain_mistake, fail, fmt, graded, is_close, passed, read_count, read_quantity, shown
+
+#: Units a time may be given in (base: seconds); a bare number is read in seconds.
+TIME_UNITS = {"s": 1.0, "ms": 1e-3}
 
 
 def _get(timing, key: str) -> float:
@@ -21,38 +25,59 @@ def _get(timing, key: str) -> float:
     return float(value)
 
 
+def _timing_rows(timings: object) -> list:
+    """``timings`` as a list of per-request records, or a failure that says what is wrong
+    with it (a name a student's cell reused, say ``timings = [ttft, ...]``)."""
+    overwritten = ("Did a cell overwrite `timings`? Rerun the cell that sends the requests, and keep "
+                   "your own values under other names.")
+    if isinstance(timings, (str, bytes, Mapping)) or not isinstance(timings, Iterable):
+        fail(f"timings: expected the list of per-request timings, got {type(timings).__name__} "
+             f"{shown(timings)}. {overwritten}")
+    rows = list(timings)
+    for t in rows:
+        try:
+            for key in ("sent", "first_token", "done"):
+                _get(t, key)
+        except (KeyError, AttributeError, TypeError, ValueError):
+            fail(f"timings: expected one dict per request with 'sent', 'first_token' and 'done', got "
+                 f"{shown(t)}. {overwritten}")
+    return rows
+
+
 def ttfts(timings: Iterable) -> list[float]:
     """Time to first token of each request: ``first_token - sent`` (seconds)."""
     return [_get(t, "first_token") - _get(t, "sent") for t in timings]
 
 
-def _medians(values: Sequence[float]) -> list[float]:
-    """The median, then the lower and upper middle values (nearest-rank conventions)."""
-    xs = sorted(values)
-    return [statistics.median(xs), xs[(len(xs) - 1) // 2], xs[len(xs) // 2]]
-
-
+@graded("8.1")
 def check_ttft_p50(answer, timings) -> None:
-    """Exercise 1: the p50 (median) TTFT of the requests in ``timings``, in seconds.
+    """Exercise 8.1: the p50 TTFT of the requests in ``timings``, in seconds, as
+    ``statistics.median`` defines it: the middle value, or for an even count the mean of the
+    two middle values.
 
     ``timings``: one dict (or object) per request with ``sent``, ``first_token`` and
     ``done`` times in seconds on the client's clock.
     """
-    timings = list(timings)
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+    timings = _timing_rows(timings)
     if not timings:
         fail("no timings to grade: run the cell that sends the requests first.")
-    x = read_number("ttft_p50", answer)
-    if x < 0:
-        fail("ttft_p50: a time to first token cannot be negative; subtract the send time from the "
-             "first-token time, not the other way round.")
-    values = ttfts(timings)
-    expected = _medians(values)
+    x, unit = read_quantity("ttft_p50", answer, TIME_UNITS, "s",
+                            negative_hint="A wait cannot be negative: were the two times "
+                                          "subtracted the wrong way round?")
+    values = sorted(ttfts(timings))
+    expected = statistics.median(values)
     tol = 1e-4                                    # seconds: rounding to 0.1 ms is fine
-    if any(is_close(x, e, rel=0.01, abs_tol=tol) for e in expected):
+    if is_close(x, expected, rel=0.01, abs_tol=tol):
         passed(f"TTFT p50 = {x * 1e3:.1f} ms over {len(values)} requests: half of the users saw "
                f"their first token sooner than that.")
         return
-    mistakes = [
+    middle = "the two middle values"
+    mistakes = [(values[(len(values) - 1) // 2], f"that is the lower of {middle}; with an even number "
+                 "of requests, statistics.median takes the mean of the two."),
+                (values[len(values) // 2], f"that is the upper of {middle}; with an even number of "
+                 "requests, statistics.median takes the mean of the two.")] if len(values) % 2 == 0 else []
+    mistakes += [
         (statistics.mean(values), "that is the mean; p50 is the median (half the values lie below it)."),
         (statistics.median(_get(t, "done") - _get(t, "sent") for t in timings),
          "that is the median latency (until the last token); TTFT stops at the first token."),
@@ -62,10 +87,13 @@ def check_ttft_p50(answer, timings) -> None:
         (statistics.median(_get(t, "first_token") for t in timings),
          "that is the median first-token time itself; subtract each request's own send time."),
     ]
-    mistakes += [(e * 1e3, "that looks like milliseconds; give seconds.") for e in expected]
+    if unit is None:
+        mistakes.append((expected * 1e3, "that looks like milliseconds; a bare number is read in "
+                                         "seconds (or write the unit: '... ms')."))
     hint = explain_mistake(x, mistakes, rel=0.01, abs_tol=tol)
     fail(f"ttft_p50: {fmt(x)} s is not right. " + (hint or
-         "For each request take first_token - sent, then the median of those values."))
+         "TTFT is measured per request, from its sending to its first token; p50 is the median of "
+         "those, as defined in the exercise."))
 
 
 def first_iterations(records: Sequence, ids: Iterable[str] | None = None) -> dict[str, int]:
@@ -88,16 +116,31 @@ def decoding_at(records: Sequence, step: int) -> set[str]:
     return set()
 
 
+@graded("8.2")
 def check_joins(joined, shared_with, records: Sequence, ids: Sequence[str], request_id: str) -> None:
-    """Exercise 2: ``joined[rid]`` is the iteration (``StepRecord.step``) at which each
+    """Exercise 8.2: ``joined[rid]`` is the iteration (``StepRecord.step``) at which each
     request in ``ids`` first ran; ``shared_with`` is the set of requests that were
     *decoding* in the iteration where ``request_id`` joined."""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+    overwritten = "Did a cell overwrite it? Rerun the cells that send the requests and read the records."
+    if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
+        fail(f"records: expected the engine's step records, got {type(records).__name__} {shown(records)}. "
+             + overwritten)
     records = list(records)
     if not records:
         fail("no step records to grade: run the cell that sends the requests first.")
+    if not all(hasattr(rec, "ran") and hasattr(rec, "step") for rec in records):
+        fail(f"records: expected the engine's StepRecords (server.engine.records(...)), got "
+             f"{shown(next(r for r in records if not hasattr(r, 'ran') or not hasattr(r, 'step')))}. "
+             + overwritten)
+    wanted = list(ids) if isinstance(ids, Iterable) and not isinstance(ids, (str, bytes)) else []
+    if not wanted or not all(isinstance(rid, str) for rid in wanted):
+        fail(f"ids: expected the list of the experiment's request ids, got {shown(ids)}. " + overwritten)
+    ids = wanted
     expected = first_iterations(records, ids)
-    if joined is Ellipsis or joined is None:
-        fail("joined: replace the `...` placeholder with a dict {request id: iteration}.")
+    if not isinstance(request_id, str) or request_id not in expected:
+        fail(f"late: expected the id of a request that ran in the experiment (the last user's), got "
+             f"{shown(request_id)}. " + overwritten)
     if not isinstance(joined, Mapping):
         fail(f"joined: expected a dict {{request id: iteration}}, got {type(joined).__name__}.")
     missing = [rid for rid in expected if rid not in joined]
@@ -124,11 +167,14 @@ def check_joins(joined, shared_with, records: Sequence, ids: Sequence[str], requ
              "Walk the records in order and note the first `rec.step` whose `rec.ran` names the request.")
 
     want = decoding_at(records, expected[request_id])
-    if shared_with is Ellipsis or shared_with is None:
-        fail("shared_with: replace the `...` placeholder with a set of request ids.")
-    if isinstance(shared_with, str) or not isinstance(shared_with, Iterable):
+    if isinstance(shared_with, (str, Mapping)) or not isinstance(shared_with, Iterable):
         fail(f"shared_with: expected a set of request ids, got {type(shared_with).__name__}.")
-    got = set(shared_with)
+    got = set()
+    for rid in shared_with:
+        if not isinstance(rid, str):
+            fail(f"shared_with: expected request ids (strings like {request_id!r}), got "
+                 f"{type(rid).__name__} {rid!r}.")
+        got.add(rid)
     if request_id in got:
         fail(f"shared_with: {request_id!r} itself was prefilling (its prompt), not decoding, "
              "in the iteration where it joined.")
@@ -144,3 +190,8 @@ def check_joins(joined, shared_with, records: Sequence, ids: Sequence[str], requ
     else:
         passed(f"{request_id} joined at iteration {expected[request_id]}, when no one else was decoding.")
 
+
+def answer_forms() -> dict[str, list[str]]:
+    """Chapter 8's answers come from the student's own live run, so no fixed string gives them
+    away; the leak scan has nothing to look for here (the hints never print an expected value)."""
+    return {"8.1": [], "8.2": []}

@@ -12,7 +12,7 @@ Every block is in exactly one of three states, and the allocator keeps it so:
   only when the free stack is empty and somebody needs a block;
 * **referenced**  -- reference count >= 1: held by that many block tables.
 
-Allocation and freeing are O(1): a stack of free ids (the sketch in the seed article pops
+Allocation and freeing are O(1): a stack of free ids (the sketch in the vLLM article pops
 from the front of a Python list, which is O(n) per call) and an ordered dict for the LRU.
 """
 
@@ -161,14 +161,19 @@ class BlockAllocator:
         return self._fill[block_id]
 
     @property
-    def kv_utilization(self) -> float:
-        """Fraction of the slots in held blocks that hold a token (1.0 when nothing is held).
+    def kv_cache_usage(self) -> float:
+        """Share of the pool held by sequences: vLLM's "KV cache usage" (0.0 when idle)."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def held_slot_fill(self) -> float:
+        """Share of the slots in held blocks that hold a token (0.0 when nothing is held).
 
         Paged allocation keeps this near 1: only each sequence's last block is partly empty.
         Shared blocks count once: that is the point of sharing.
         """
         used = self.num_used_blocks * self.block_size
-        return self.num_filled_slots / used if used else 1.0
+        return self.num_filled_slots / used if used else 0.0
 
     # ---- prefix cache ----------------------------------------------------------------
     def lookup(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:

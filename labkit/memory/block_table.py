@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from labkit.utils import cdiv
+
+from . import prefix_cache
 from .allocator import BlockAllocator, NoFreeBlocksError
-from .prefix_cache import ROOT_HASH, hash_block
+from .prefix_cache import ROOT_HASH, hash_full_blocks
 
 CopyOnWrite = tuple[int, int]   # (source block id, destination block id)
 
@@ -65,8 +68,11 @@ class BlockTable:
         counting the copy of a shared last block. Changes nothing."""
         if num_new_tokens <= 0:
             return 0
-        need = -(-(len(self.token_ids) + num_new_tokens) // self.block_size) - len(self.block_ids)
-        return max(0, need) + self._last_block_is_shared()
+        return self._missing_blocks(len(self.token_ids) + num_new_tokens) + self._last_block_is_shared()
+
+    def _missing_blocks(self, num_tokens: int) -> int:
+        """Blocks to add so that the table holds ``num_tokens`` tokens in all (0 if it does)."""
+        return max(0, cdiv(num_tokens, self.block_size) - len(self.block_ids))
 
     # ---- prefix caching ------------------------------------------------------------
     def reuse_cached_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
@@ -82,7 +88,7 @@ class BlockTable:
             raise ValueError("reuse_cached_prefix works on an empty block table only")
         if not self.allocator.enable_prefix_caching:
             return 0
-        for block_hash, parent, block in self._full_blocks(token_ids, max_tokens):
+        for block_hash, parent, block in hash_full_blocks(token_ids, self.block_size, max_tokens):
             block_id = self.allocator.lookup(block_hash, parent, block)
             if block_id is None:
                 break
@@ -98,23 +104,12 @@ class BlockTable:
         if not self.allocator.enable_prefix_caching:
             return []
         hits = []
-        for block_hash, parent, block in self._full_blocks(token_ids, max_tokens):
+        for block_hash, parent, block in hash_full_blocks(token_ids, self.block_size, max_tokens):
             block_id = self.allocator.peek(block_hash, parent, block)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
-
-    def _full_blocks(self, token_ids: Sequence[int], max_tokens: int | None):
-        """Yield (hash, parent hash, tokens) of each full block within the first
-        ``max_tokens`` tokens, in order; the hashes chain as the prefix cache keys them."""
-        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        parent, bs = ROOT_HASH, self.block_size
-        for start in range(0, limit - bs + 1, bs):
-            block = tuple(token_ids[start:start + bs])
-            block_hash = hash_block(parent, block)
-            yield block_hash, parent, block
-            parent = block_hash
 
     # ---- growth ------------------------------------------------------------------
     def append_tokens(self, token_ids: Iterable[int], computed: bool = True) -> list[CopyOnWrite]:
@@ -139,7 +134,7 @@ class BlockTable:
         start = len(self.token_ids)
         end = start + len(new)
         shared = self._last_block_is_shared()
-        need = max(0, -(-end // bs) - len(self.block_ids)) + shared
+        need = self._missing_blocks(end) + shared   # as blocks_needed counts them
         if need > alloc.num_free_blocks:
             raise NoFreeBlocksError(
                 f"appending {len(new)} tokens needs {need} blocks, only {alloc.num_free_blocks} are free")
@@ -174,7 +169,7 @@ class BlockTable:
         bs = self.block_size
         block = tuple(self.token_ids[b * bs:(b + 1) * bs])
         parent = self.block_hashes[b - 1] if b else ROOT_HASH
-        block_hash = hash_block(parent, block)
+        block_hash = prefix_cache.hash_block(parent, block)
         self.block_hashes.append(block_hash)
         self.allocator.register(self.block_ids[b], block_hash, parent, block)
 
@@ -187,7 +182,7 @@ class BlockTable:
         the pool is short.
         """
         self._check_live()
-        need = -(-num_tokens // self.block_size) - len(self.block_ids)
+        need = self._missing_blocks(num_tokens)
         if need > self.allocator.num_free_blocks:
             raise NoFreeBlocksError(f"reserving {num_tokens} tokens needs {need} more blocks, "
                                     f"only {self.allocator.num_free_blocks} are free")

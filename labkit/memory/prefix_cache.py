@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from typing import Iterator, Sequence
 
 ROOT_HASH = 0
 
@@ -29,10 +29,21 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def hash_full_blocks(token_ids: Sequence[int], block_size: int,
+                     max_tokens: int | None = None) -> Iterator[tuple[int, int, tuple[int, ...]]]:
+    """Walk the chain: yield ``(hash, parent hash, tokens)`` of each full block within the
+    first ``max_tokens`` tokens (all of them when None), in order. A partial tail is not
+    hashed: only full blocks are ever shared. Lazy, so a lookup that misses at block ``i``
+    hashes no further."""
+    limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+    parent = ROOT_HASH
+    for start in range(0, limit - block_size + 1, block_size):
+        block = tuple(token_ids[start:start + block_size])
+        block_hash = hash_block(parent, block)
+        yield block_hash, parent, block
+        parent = block_hash
+
+
 def hash_prefix(token_ids: Sequence[int], block_size: int) -> list[int]:
     """The chained hashes of every full block of ``token_ids`` (a partial tail is not hashed)."""
-    hashes, parent = [], ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size])
-        hashes.append(parent)
-    return hashes
+    return [block_hash for block_hash, _, _ in hash_full_blocks(token_ids, block_size)]

@@ -31,6 +31,8 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
+from labkit.utils import cdiv
+
 if TYPE_CHECKING:   # annotations only: waste accounting needs nothing from them at import
     from .allocator import BlockAllocator
     from .block_table import BlockTable
@@ -331,7 +333,7 @@ def paged_waste(seqs: Iterable[SeqUsage], block_size: int, *,
         raise ValueError(f"block_size must be positive, got {block_size}")
     seqs = list(seqs)
     tokens = sum(s.num_tokens for s in seqs)
-    allocated = sum(-(-s.num_tokens // block_size) * block_size for s in seqs)
+    allocated = sum(cdiv(s.num_tokens, block_size) * block_size for s in seqs)
     total = allocated if total_slots is None else total_slots
     if total < allocated:
         raise ValueError(f"the blocks need {allocated} slots, more than total_slots={total}")

@@ -2,11 +2,11 @@
 
     from labkit.model import ModelRunner, SeqChunk
     runner = ModelRunner("tiny-llama", block_size=16, num_blocks=64)
-    logits = runner.execute([SeqChunk(token_ids=[1, 2, 3], start_pos=0, block_ids=[5])])
+    logits = runner.execute([SeqChunk(token_ids=[1, 2, 3], num_computed_tokens=0, block_ids=[5])])
 
 Submodules: ``loader`` (weights, config, tokenizer; ``python -m labkit.model.loader fetch``),
 ``kv_cache`` (the paged KV tensors), ``llama`` (the decoder), ``runner`` (one forward per
-engine iteration), ``sampler`` (greedy / temperature / top-k / top-p / seeds), ``bench``.
+engine iteration), ``sampler`` (greedy / temperature / top-k / top-p / seeds).
 Names are imported lazily, so ``python -m labkit.model.loader`` runs cleanly.
 """
 

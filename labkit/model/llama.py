@@ -155,6 +155,20 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decodes] int32, including the new token
 
+    def checked(self, kv_cache: KVCache):
+        """A context in which the index tensors have been checked against ``kv_cache`` once,
+        for all layers: the kernels then skip re-checking their values in every layer (on a
+        GPU, a host sync each). See ``labkit.kernels.index_tensors_checked``."""
+        from labkit.kernels import index_tensors_checked  # lazy: importing the kernels imports Triton
+
+        attention = []
+        if self.prefill_block_tables is not None:
+            attention.append((self.prefill_block_tables, self.prefill_context_lens,
+                              self.prefill_query_start_loc, self.num_prefill_tokens))
+        if self.decode_block_tables is not None:
+            attention.append((self.decode_block_tables, self.decode_context_lens, None, 0))
+        return index_tensors_checked(kv_cache.num_blocks, kv_cache.block_size, self.slot_mapping, attention)
+
 
 # ---------------------------------------------------------------------------------------------
 # the layers
@@ -313,8 +327,9 @@ class LlamaModel(nn.Module):
         h = F.embedding(input_ids, self.embed_weight)
         cos, sin = self.rotary.tables(positions, h.dtype)
         residual = None
-        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k_caches, kv_cache.v_caches):
-            h, residual = layer(h, residual, cos, sin, meta, k_cache, v_cache, ops)
+        with meta.checked(kv_cache):  # once here, not in each layer's kernels
+            for layer, k_cache, v_cache in zip(self.layers, kv_cache.k_caches, kv_cache.v_caches):
+                h, residual = layer(h, residual, cos, sin, meta, k_cache, v_cache, ops)
         # Only the tokens whose next-token distribution is wanted go through the norm and the head.
         last = residual[logits_indices] + h[logits_indices]
         return self.lm_head(self.norm(last))

@@ -5,13 +5,16 @@ now (a prefill chunk, or the one new token of a decode), the position of the fir
 and the physical blocks that hold the sequence's KV. The runner
 
 1. applies the copy-on-write block copies the block manager asked for,
-2. packs every chunk's tokens into one flat batch (prefill chunks first, then decodes) and
-   builds the index tensors attention needs: ``positions``, ``slot_mapping`` (where each new
-   token's K/V goes), ``block_tables``, ``context_lens`` and ``query_start_loc``,
+2. packs every chunk's tokens into one flat batch, in the scheduler's order (prefill chunks
+   first, then decodes), and builds the index tensors attention needs (``pack_chunks``):
+   ``positions``, ``slot_mapping`` (where each new token's K/V goes), ``block_tables``,
+   ``context_lens`` and ``query_start_loc``,
 3. runs the model once, and returns logits only at the last token of the chunks that asked
    for them (a prefill chunk that is not the prompt's last needs none).
 
 The tensors are built with numpy over concatenated lists: no Python loop runs per token.
+``pack_chunks_reference`` builds the same arrays with plain loops, one token at a time: it
+is the definition the vectorized code is tested against.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..utils import cdiv
 from .kv_cache import KVCache
 from .llama import AttentionMetadata, LlamaModel, ModelSpec
 from .loader import LoadedModel, load_model
@@ -33,16 +37,131 @@ from .loader import LoadedModel, load_model
 class SeqChunk:
     """The work for one sequence in one iteration.
 
-    token_ids: the tokens to compute now (positions ``start_pos .. start_pos + len - 1``).
-    start_pos: position of the first of them (= number of tokens already in the KV cache).
-    block_ids: the sequence's physical blocks, covering at least positions ``0 .. start_pos + len - 1``.
+    token_ids: the tokens to compute now (positions ``num_computed_tokens ..`` onwards).
+    num_computed_tokens: tokens already in the KV cache = the position of the first of them.
+    block_ids: the sequence's physical blocks, covering at least every position computed.
     compute_logits: whether to return logits at its last token (False for a non-final prefill chunk).
+    is_prefill: whether it runs as a prefill (attention over a chunk of queries) or a decode
+      (one query). The engine passes the scheduler's ``ScheduledSeq.is_prefill``; a chunk
+      built by hand that leaves it None is a prefill when it has more than one token.
+      Prefill chunks must come before decodes, as the scheduler orders them.
     """
 
     token_ids: list[int]
-    start_pos: int
+    num_computed_tokens: int
     block_ids: list[int]
     compute_logits: bool = True
+    is_prefill: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.is_prefill is None:
+            self.is_prefill = len(self.token_ids) > 1
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """One iteration's chunks packed into flat index arrays (numpy, int64 unless noted).
+
+    Chunk ``i`` owns tokens ``query_start_loc[i] : query_start_loc[i + 1]``; the first
+    ``num_prefills`` chunks are prefills. ``block_tables`` rows are padded with block 0,
+    never read past ``context_lens``.
+    """
+
+    input_ids: np.ndarray          # [num_tokens]
+    positions: np.ndarray          # [num_tokens] position of each token in its sequence
+    slot_mapping: np.ndarray       # [num_tokens] cache slot its K/V is written to
+    block_tables: np.ndarray       # [num_chunks, max blocks] int32
+    blocks_needed: np.ndarray      # [num_chunks] blocks covering each context
+    context_lens: np.ndarray       # [num_chunks] tokens in the cache after this iteration
+    query_start_loc: np.ndarray    # [num_chunks + 1]
+    logits_indices: np.ndarray     # [chunks wanting logits] their last token, in chunk order
+    num_prefills: int
+
+
+def pack_chunks(chunks: list[SeqChunk], block_size: int, num_blocks: int, max_model_len: int) -> PackedBatch:
+    """Pack ``chunks`` (prefills first) into index arrays, checking them on the way.
+    Raises ``ValueError`` naming the first bad chunk."""
+    lens, context_lens, num_prefills = _chunk_extents(chunks, max_model_len)
+    query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks),
+                            dtype=np.int64, count=num_tokens)
+    block_tables, blocks_needed = _block_tables(chunks, context_lens, block_size, num_blocks)
+    positions, slot_mapping = _token_slots(block_tables, context_lens - lens, lens, query_start_loc, block_size)
+    wanted = np.fromiter((c.compute_logits for c in chunks), dtype=bool, count=len(chunks))
+    logits_indices = query_start_loc[1:][wanted] - 1
+    return PackedBatch(input_ids, positions, slot_mapping, block_tables, blocks_needed, context_lens,
+                       query_start_loc, logits_indices, num_prefills)
+
+
+def _chunk_extents(chunks: list[SeqChunk], max_model_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per chunk: tokens computed now, and context length after; and how many prefills lead."""
+    n = len(chunks)
+    lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=n)
+    if (lens < 1).any():
+        raise ValueError("every SeqChunk needs at least one token")
+    is_prefill = np.fromiter((c.is_prefill for c in chunks), dtype=bool, count=n)
+    num_prefills = int(is_prefill.sum())
+    if not is_prefill[:num_prefills].all():
+        raise ValueError("prefill chunks must come before decode chunks (the scheduler's order)")
+    if (lens[num_prefills:] != 1).any():
+        raise ValueError("a decode chunk computes exactly one token")
+    context_lens = np.fromiter((c.num_computed_tokens for c in chunks), dtype=np.int64, count=n) + lens
+    if int(context_lens.max()) > max_model_len:
+        raise ValueError(f"a sequence reaches {int(context_lens.max())} tokens, more than "
+                         f"max_model_len={max_model_len}")
+    return lens, context_lens, num_prefills
+
+
+def _block_tables(chunks: list[SeqChunk], context_lens: np.ndarray, block_size: int,
+                  num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row of physical block ids per chunk, as wide as the longest context needs."""
+    n = len(chunks)
+    blocks_needed = cdiv(context_lens, block_size)
+    num_block_ids = np.fromiter((len(c.block_ids) for c in chunks), dtype=np.int64, count=n)
+    if (num_block_ids < blocks_needed).any():
+        i = int(np.flatnonzero(num_block_ids < blocks_needed)[0])
+        raise ValueError(f"chunk needs {blocks_needed[i]} blocks for {context_lens[i]} tokens "
+                         f"but has {num_block_ids[i]} block_ids")
+    width = int(blocks_needed.max())
+    take = np.minimum(num_block_ids, width)        # extra trailing block ids are ignored
+    flat = np.fromiter(itertools.chain.from_iterable(c.block_ids[:width] for c in chunks),
+                       dtype=np.int32, count=int(take.sum()))
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= num_blocks):
+        raise ValueError(f"block ids must be in [0, {num_blocks}), got {int(flat.min())}..{int(flat.max())}")
+    rows = np.repeat(np.arange(n), take)
+    cols = np.arange(flat.size) - np.repeat(np.cumsum(take) - take, take)
+    block_tables = np.zeros((n, width), dtype=np.int32)
+    block_tables[rows, cols] = flat
+    return block_tables, blocks_needed
+
+
+def _token_slots(block_tables: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                 query_start_loc: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per token: its position in its sequence, and the cache slot its K/V goes to."""
+    num_tokens = int(query_start_loc[-1])
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)
+    positions = np.arange(num_tokens) + np.repeat(starts - query_start_loc[:-1], lens)
+    block_of_token = block_tables[seq_of_token, positions // block_size].astype(np.int64)
+    return positions, block_of_token * block_size + positions % block_size
+
+
+def pack_chunks_reference(chunks: list[SeqChunk], block_size: int) -> dict[str, list]:
+    """The index arrays of ``pack_chunks``, one token at a time in plain Python: slow, and
+    the definition. (Unpadded block tables; no checks.)"""
+    positions, slot_mapping, block_tables, context_lens, query_start_loc = [], [], [], [], [0]
+    for chunk in chunks:
+        context_len = chunk.num_computed_tokens + len(chunk.token_ids)
+        used = chunk.block_ids[:cdiv(context_len, block_size)]
+        for position in range(chunk.num_computed_tokens, context_len):
+            positions.append(position)
+            slot_mapping.append(used[position // block_size] * block_size + position % block_size)
+        block_tables.append(list(used))
+        context_lens.append(context_len)
+        query_start_loc.append(query_start_loc[-1] + len(chunk.token_ids))
+    return {"positions": positions, "slot_mapping": slot_mapping, "block_tables": block_tables,
+            "context_lens": context_lens, "query_start_loc": query_start_loc}
 
 
 def _default_num_threads() -> int:
@@ -101,76 +220,22 @@ class ModelRunner:
         return logits.float()
 
     def prepare(self, chunks: list[SeqChunk]):
-        """Pack the chunks: returns (input_ids, positions, AttentionMetadata, logits_indices)."""
-        bs = self.block_size
-        n = len(chunks)
-        lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=n)
-        if (lens < 1).any():
-            raise ValueError("every SeqChunk needs at least one token")
-        # Prefill chunks (more than one token) first, then decodes; a stable order otherwise.
-        is_prefill = lens > 1
-        order = np.concatenate((np.flatnonzero(is_prefill), np.flatnonzero(~is_prefill)))
-        num_prefills = int(is_prefill.sum())
-        ordered = [chunks[i] for i in order] if num_prefills and num_prefills < n else chunks
-        if ordered is not chunks:
-            lens = lens[order]
-        else:
-            order = np.arange(n)
-
-        starts = np.fromiter((c.start_pos for c in ordered), dtype=np.int64, count=n)
-        context_lens = starts + lens
-        if int(context_lens.max()) > self.max_model_len:
-            raise ValueError(f"a sequence reaches {int(context_lens.max())} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
-        query_start_loc = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in ordered),
-                                dtype=np.int64, count=num_tokens)
-
-        # Block tables: one row per sequence, padded with block 0 (never read past context_lens).
-        blocks_needed = (context_lens + bs - 1) // bs
-        num_block_ids = np.fromiter((len(c.block_ids) for c in ordered), dtype=np.int64, count=n)
-        if (num_block_ids < blocks_needed).any():
-            i = int(np.flatnonzero(num_block_ids < blocks_needed)[0])
-            raise ValueError(f"chunk needs {blocks_needed[i]} blocks for {context_lens[i]} tokens "
-                             f"but has {num_block_ids[i]} block_ids")
-        width = int(blocks_needed.max())
-        take = np.minimum(num_block_ids, width)
-        flat = np.fromiter(itertools.chain.from_iterable(c.block_ids[:width] for c in ordered),
-                           dtype=np.int32, count=int(take.sum()))
-        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.num_blocks):
-            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {int(flat.min())}..{int(flat.max())}")
-        rows = np.repeat(np.arange(n), take)
-        cols = np.arange(flat.size) - np.repeat(np.cumsum(take) - take, take)
-        block_tables = np.zeros((n, width), dtype=np.int32)
-        block_tables[rows, cols] = flat
-
-        # Per token: its sequence, its position, and the cache slot its K/V goes to.
-        seq_of_token = np.repeat(np.arange(n), lens)
-        positions = np.arange(num_tokens) + np.repeat(starts - query_start_loc[:-1], lens)
-        slot_mapping = block_tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-
-        # Logits rows: the last token of each chunk that wants them, in the caller's chunk order.
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.arange(n)
-        wanted = np.fromiter((c.compute_logits for c in chunks), dtype=bool, count=n)
-        logits_indices = query_start_loc[1:][rank[wanted]] - 1
-
-        p = num_prefills
-        num_prefill_tokens = int(query_start_loc[p])
+        """Pack the chunks: returns (input_ids, positions, AttentionMetadata, logits_indices)
+        as tensors on the device."""
+        b = pack_chunks(chunks, self.block_size, self.num_blocks, self.max_model_len)
+        p, n = b.num_prefills, len(chunks)
         dev = self.device
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=t(slot_mapping),
-            num_prefill_tokens=num_prefill_tokens,
-            prefill_block_tables=t(block_tables[:p, : int(blocks_needed[:p].max())]) if p else None,
-            prefill_context_lens=t(context_lens[:p].astype(np.int32)) if p else None,
-            prefill_query_start_loc=t(query_start_loc[: p + 1].astype(np.int32)) if p else None,
-            decode_block_tables=t(block_tables[p:, : int(blocks_needed[p:].max())]) if p < n else None,
-            decode_context_lens=t(context_lens[p:].astype(np.int32)) if p < n else None,
+            slot_mapping=t(b.slot_mapping),
+            num_prefill_tokens=int(b.query_start_loc[p]),
+            prefill_block_tables=t(b.block_tables[:p, : int(b.blocks_needed[:p].max())]) if p else None,
+            prefill_context_lens=t(b.context_lens[:p].astype(np.int32)) if p else None,
+            prefill_query_start_loc=t(b.query_start_loc[: p + 1].astype(np.int32)) if p else None,
+            decode_block_tables=t(b.block_tables[p:, : int(b.blocks_needed[p:].max())]) if p < n else None,
+            decode_context_lens=t(b.context_lens[p:].astype(np.int32)) if p < n else None,
         )
-        return t(input_ids), t(positions), meta, t(logits_indices)
+        return t(b.input_ids), t(b.positions), meta, t(b.logits_indices)
 
     # -----------------------------------------------------------------------------------------
     def __repr__(self) -> str:

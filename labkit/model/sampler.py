@@ -1,20 +1,20 @@
 """Turning logits into next tokens: greedy, temperature, top-k, top-p, per-request seeds.
 
 ``sample(logits, rows)`` takes one ``SamplingRow`` per row of ``logits``. Greedy rows
-(temperature 0) are one ``argmax`` over all of them, exactly what Hugging Face's greedy
-``generate`` does. Random rows are filtered and normalised together, then each draws one
-uniform number from *its own* ``torch.Generator`` and picks its token by inverse CDF: a
-request with a seed gets the same tokens whatever else shares its batch.
+(``is_greedy``: temperature 0, or below ``GREEDY_EPS``) are one ``argmax`` over all of
+them, exactly what Hugging Face's greedy ``generate`` does. Random rows are filtered and
+normalised together, then each draws one uniform number from *its own*
+``torch.Generator`` and picks its token by inverse CDF: a request with a seed gets the
+same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-_GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (as vLLM does)
+from ..sampling_params import is_greedy, validate_distribution
 
 
 @dataclass(slots=True)
@@ -27,21 +27,11 @@ class SamplingRow:
     generator: torch.Generator | None = None  # per-request stream (seeded requests); None: global RNG
 
     def __post_init__(self):
-        validate(self.temperature, self.top_p, self.top_k)
+        validate_distribution(self.temperature, self.top_p, self.top_k, owner="SamplingRow")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-
-def validate(temperature: float, top_p: float = 1.0, top_k: int = 0) -> None:
-    """Raise ValueError for settings that do not define a distribution."""
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not (isinstance(top_k, int) and top_k >= -1):
-        raise ValueError(f"top_k must be an integer >= -1 (0 or -1: disabled), got {top_k!r}")
+        return is_greedy(self.temperature)
 
 
 def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:

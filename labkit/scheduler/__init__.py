@@ -1,8 +1,36 @@
 """Layer 2: who runs each iteration. Continuous batching and the static baseline share one
 scheduler and one block manager; they differ only in policy hooks."""
 
-from .records import ScheduledSeq, SchedulerOutput, StepRecord
+from typing import Iterable
+
+from ..memory import BlockAllocator
+from .records import ScheduledSeq, SchedulerOutput, StepRecord, held_slot_fill, kv_cache_usage
 from .scheduler import Scheduler
 from .static import StaticScheduler
 
-__all__ = ["Scheduler", "StaticScheduler", "ScheduledSeq", "SchedulerOutput", "StepRecord"]
+POLICIES = ("continuous", "static")
+
+
+def make_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int = 64,
+                   max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                   max_model_len: int | None = None, watermark: float = 0.01,
+                   eos_token_ids: Iterable[int] = (), reserve: str = "max_tokens") -> Scheduler:
+    """The scheduler for ``policy`` ("continuous" or "static") on ``allocator``.
+
+    Takes every option of both policies, so callers can switch policy alone; each policy
+    reads its own: the static baseline has no token budget, chunking or watermark (its
+    batch is prefilled whole), and continuous batching reserves nothing (no ``reserve``).
+    A misspelled option is a ``TypeError``, an unknown policy a ``ValueError``.
+    """
+    if policy == "continuous":
+        return Scheduler(allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len,
+                         watermark=watermark, eos_token_ids=eos_token_ids)
+    if policy == "static":
+        return StaticScheduler(allocator, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                               reserve=reserve, eos_token_ids=eos_token_ids)
+    raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
+
+
+__all__ = ["Scheduler", "StaticScheduler", "ScheduledSeq", "SchedulerOutput", "StepRecord",
+           "POLICIES", "make_scheduler", "kv_cache_usage", "held_slot_fill"]

@@ -9,23 +9,50 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..memory import BlockAllocator
 from ..request import Sequence
+
+
+def kv_cache_usage(allocator: BlockAllocator) -> float:
+    """Share of the KV pool held by sequences: vLLM's "KV cache usage" (0.0 when idle)."""
+    return allocator.kv_cache_usage
+
+
+def held_slot_fill(allocator: BlockAllocator) -> float:
+    """Share of the slots in held blocks that hold a token: how little paging wastes.
+    0.0 when no block is held (nothing is filled, nothing is wasted)."""
+    return allocator.held_slot_fill
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's share of an iteration: compute K/V (and maybe logits) for
-    ``token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]``."""
+    ``token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]``, then sample
+    one token for each index in ``sample_indices``.
+
+    Everything here is decided once, by the scheduler; executors and the engine read it.
+    """
 
     seq: Sequence
     num_new_tokens: int
-    num_samples: int        # tokens to sample after this chunk: 0 (mid-prompt), 1, or n at a fork
-    is_prefill: bool        # computing prompt (or recomputing preempted) tokens, not decoding
-    start: int              # position of the first token computed (num_computed_tokens at scheduling)
+    is_prefill: bool            # computing prompt (or recomputing preempted) tokens, not decoding
+    num_computed_tokens: int    # tokens with K/V before this iteration: the first computed position
+    # The request's sample indices that get a token after this chunk: () mid-prompt,
+    # (seq.index,) usually, (0, .., n-1) when an n > 1 request forks after its prefill.
+    sample_indices: tuple[int, ...] = ()
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_indices)
+
+    @property
+    def sample_position(self) -> int:
+        """Position of the token sampled after this chunk (seeds and dummy tokens use it)."""
+        return self.num_computed_tokens + self.num_new_tokens
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start:self.start + self.num_new_tokens]
+        return self.seq.token_ids[self.num_computed_tokens:self.sample_position]
 
     @property
     def phase(self) -> str:
@@ -40,6 +67,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     copies: list[tuple[int, int]]           # (src block, dst block) KV copies to do first
     preempted: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0              # prompt tokens admitted from the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +83,8 @@ class StepRecord:
     """What one iteration did, in numbers the widgets and benchmarks read.
 
     ``ran`` lists ``(request_id, seq_index, num_tokens, phase)`` with phase ``"prefill"``
-    or ``"decode"``. ``kv_utilization`` is filled slots / slots in held blocks.
+    or ``"decode"``. The queue, block and usage fields are read at the iteration's end
+    (finished sequences gone); ``docs/stats.md`` defines each.
     """
 
     step: int
@@ -69,7 +98,8 @@ class StepRecord:
     num_used_blocks: int
     num_free_blocks: int
     num_cached_free_blocks: int
-    kv_utilization: float
+    kv_cache_usage: float           # held blocks / all blocks (vLLM's KV-cache usage)
+    held_slot_fill: float           # filled slots / slots in held blocks (0.0 when none is held)
     preempted: list[str]            # request ids preempted before this iteration
     finished: list[str]             # request ids that finished in this iteration
     num_cached_tokens: int          # prompt tokens served from the prefix cache at admission

@@ -14,6 +14,10 @@ sequence is *preempted by recompute*: its blocks are freed and it goes back to t
 of the waiting queue with every token it has, to be recomputed (prefilled) when memory
 returns. It loses nothing; it only pays the recompute.
 
+A sequence ends in one place, ``finish_sequence``, whatever ends it: a stop token or
+string, its length, an abort. It sets the finish reason once, returns the blocks (policy
+hook ``_release``), and retires the request when its last sequence is done.
+
 Policy hooks (``_admit``, ``_release``, ``_batch_may_grow``) let the static-batching
 baseline (``static.py``) reuse everything else.
 """
@@ -21,11 +25,16 @@ baseline (``static.py``) reuse everything else.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ..memory import BlockAllocator, BlockTable
 from ..request import Request, Sequence, Status
-from .records import ScheduledSeq, SchedulerOutput, StepRecord
+from ..utils import cdiv
+from .records import ScheduledSeq, SchedulerOutput, StepRecord, held_slot_fill, kv_cache_usage
+
+# Called for each sequence that just gained a token, before the token-level stop checks:
+# True when its text now contains a stop string (the engine's detokenizer answers).
+StopStringCheck = Callable[[Sequence], bool]
 
 
 class Scheduler:
@@ -99,13 +108,13 @@ class Scheduler:
             raise ValueError(
                 f"request {rid!r}: prompt of {num_prompt} tokens is too long: the model "
                 f"allows {self.max_model_len} tokens in all (prompt + at least one new token)")
-        if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
+        longest = self._max_len(request)
+        if not self.enable_chunked_prefill and longest > self.max_num_batched_tokens:
+            # A preempted sequence is recomputed whole, prompt and output: in one iteration.
             raise ValueError(
-                f"request {rid!r}: prompt of {num_prompt} tokens exceeds "
-                f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is off")
-        longest = num_prompt + request.params.max_tokens
-        if self.max_model_len is not None:
-            longest = min(longest, self.max_model_len)
+                f"request {rid!r}: prompt + max_tokens = {longest} tokens exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is off: "
+                "once preempted, it could never be recomputed")
         capacity = self.allocator.num_blocks * self.block_size
         if self._tokens_to_hold(request, longest) > capacity:
             raise ValueError(
@@ -113,30 +122,51 @@ class Scheduler:
                 f"but the whole KV cache holds {capacity} "
                 f"({self.allocator.num_blocks} blocks x {self.block_size})")
 
+    def _max_len(self, request: Request) -> int:
+        """The most tokens one sequence of ``request`` can reach: prompt + max_tokens,
+        capped by the model's length."""
+        longest = len(request.prompt_token_ids) + request.params.max_tokens
+        return longest if self.max_model_len is None else min(longest, self.max_model_len)
+
     def _tokens_to_hold(self, request: Request, longest: int) -> int:
         """KV slots one sequence of ``request`` may need at most (policy hook)."""
         return longest
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now, whatever its state, freeing its blocks at once.
-        Returns False when no unfinished request has that id."""
-        request = self.requests.pop(request_id, None)
+    def abort(self, request_id: str, now: float = 0.0) -> bool:
+        """Stop a request now, whatever its state, freeing its blocks at once. Samples that
+        had already finished keep their finish reason. Returns False when no unfinished
+        request has that id."""
+        request = self.requests.get(request_id)
         if request is None:
             return False
-        for seq in request.seqs:
-            if seq.status is Status.WAITING:
-                self.waiting.remove(seq)
-            elif seq.status is Status.RUNNING:
-                self.running.remove(seq)
-            self._finish(seq, "abort", release=True)
+        for seq in list(request.seqs):
+            self.finish_sequence(seq, "abort", now)
         return True
 
-    def finish_sequence(self, seq: Sequence, reason: str) -> None:
-        """End one sequence now (the engine calls this for stop strings)."""
+    def finish_sequence(self, seq: Sequence, reason: str, now: float = 0.0) -> Request | None:
+        """End ``seq`` now: the one place a sequence retires, whatever ended it.
+
+        Its finish reason is set here, once (a finished sequence is left alone); its blocks
+        go back (policy hook ``_release``). When it was its request's last unfinished
+        sequence, the request retires too: it leaves ``requests``, gets its
+        ``finished_time`` and is returned. Otherwise returns None.
+        """
         if seq.status is Status.FINISHED:
-            return
-        self.running.remove(seq)
-        self._finish(seq, reason)
+            return None
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq.block_table is not None:
+            self._release(seq, reason)
+        request = seq.request
+        if not request.finished or self.requests.get(request.request_id) is not request:
+            return None
+        del self.requests[request.request_id]
+        request.finished_time = now
+        return request
 
     @property
     def has_unfinished(self) -> bool:
@@ -184,11 +214,10 @@ class Scheduler:
         #    iteration that had to preempt: memory is short, admitting would thrash).
         num_cached = 0
         if not preempted and self._batch_may_grow():
-            # An n > 1 request forks into n sequences after its prefill: keep room for all.
-            width = sum(1 if s.request.forked else s.request.params.n for s in self.running) if self.waiting else 0
+            width = self._num_seq_slots_promised() if self.waiting else 0
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
-                seq_width = 1 if seq.request.forked else seq.request.params.n
+                seq_width = seq.request.width
                 if width + seq_width > self.max_num_seqs:
                     break
                 admitted = self._admit(seq, budget)
@@ -208,9 +237,13 @@ class Scheduler:
 
         # Prefill chunks first, then decodes: the layout the model runner packs.
         scheduled.sort(key=lambda s: not s.is_prefill)
-        self._num_cached_this_step = num_cached
         self.num_cached_prompt_tokens += num_cached
-        return SchedulerOutput(self.step, scheduled, copies, preempted)
+        return SchedulerOutput(self.step, scheduled, copies, preempted, num_cached)
+
+    def _num_seq_slots_promised(self) -> int:
+        """Batch slots the running sequences will fill: an n > 1 request that has not
+        forked yet forks into n sequences after its prefill, so it counts n."""
+        return sum(s.request.width for s in self.running)
 
     def _grow(self, seq: Sequence, num_new: int) -> list[tuple[int, int]]:
         start = seq.num_computed_tokens
@@ -219,12 +252,15 @@ class Scheduler:
         return seq.block_table.append_tokens(seq.token_ids[start:start + num_new], computed=False)
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        """The plan for one sequence. Samples: none mid-prompt; n when an n > 1 request forks."""
+        """The plan for one sequence. Samples: none mid-prompt; one per sample index of the
+        request (0 .. n-1) when an n > 1 request forks; else one for the sequence itself."""
         if seq.num_computed_tokens + num_new < len(seq.token_ids):
-            samples = 0
+            indices: tuple[int, ...] = ()
+        elif seq.request.forked:
+            indices = (seq.index,)
         else:
-            samples = 1 if seq.request.forked else seq.request.params.n
-        return ScheduledSeq(seq, num_new, samples, seq.is_prefill, seq.num_computed_tokens)
+            indices = tuple(range(seq.request.params.n))
+        return ScheduledSeq(seq, num_new, seq.is_prefill, seq.num_computed_tokens, indices)
 
     def _batch_may_grow(self) -> bool:
         """Whether new requests may join now (policy hook: continuous batching says always)."""
@@ -244,13 +280,15 @@ class Scheduler:
         if num_new < remaining and not self.enable_chunked_prefill:
             return None
         revived = sum(1 for b in hits if self.allocator.ref_count(b) == 0)
-        need = -(-(num_cached + num_new) // self.block_size) - len(hits) + revived
+        need = cdiv(num_cached + num_new, self.block_size) - len(hits) + revived
         reserve = self.watermark_blocks if self.running else 0
         if need > self.allocator.num_free_blocks - reserve:
             return None
         if external:
             # KV that arrived with the sequence (disaggregated prefill): hold it, compute none.
-            table.append_tokens(tokens[:external], computed=True)
+            # Like computed KV, it enters the prefix cache only once this iteration has run
+            # (update): before that, no executor has written it into these blocks.
+            table.append_tokens(tokens[:external], computed=False)
             seq.num_computed_tokens, seq.num_cached_tokens, seq.num_external_tokens = external, 0, 0
         else:
             seq.num_computed_tokens = table.reuse_cached_prefix(tokens, len(tokens) - 1)
@@ -269,11 +307,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- after the executor ------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: list[list[int]], now: float) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: list[list[int]], now: float,
+               stop_string: StopStringCheck | None = None) -> list[Request]:
         """Record what the iteration computed and sampled; finish what is done.
 
         ``sampled[i]`` holds the tokens sampled for ``output.scheduled[i]`` (as many as its
-        ``num_samples``). Returns the requests that finished in this iteration.
+        ``num_samples``). ``stop_string``, if given, is asked about each sequence that
+        gained a token, before its stop tokens and length (a stop string wins, as in vLLM).
+        Returns the requests that finished in this iteration.
         """
         finished: list[Request] = []
         for item, tokens in zip(output.scheduled, sampled, strict=True):
@@ -298,14 +339,14 @@ class Scheduler:
             for member, token in zip(family, tokens):
                 member.token_ids.append(token)
                 self.num_generated_tokens += 1
-                reason = self._stop_reason(member, token)
+                if stop_string is not None and stop_string(member):
+                    reason: str | None = "stop"
+                else:
+                    reason = self._stop_reason(member, token)
                 if reason is not None:
-                    self.running.remove(member)
-                    self._finish(member, reason)
-            if request.finished and request.request_id in self.requests:
-                del self.requests[request.request_id]
-                request.finish_time = now
-                finished.append(request)
+                    done = self.finish_sequence(member, reason, now)
+                    if done is not None:
+                        finished.append(done)
         return finished
 
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
@@ -332,8 +373,9 @@ class Scheduler:
             raise ValueError(f"{parent} is not running")
         if parent.num_output_tokens == 0 or parent.num_uncomputed_tokens != 1:
             raise ValueError(f"{parent} is still prefilling its prompt: fork it once it decodes")
-        if len(self.running) >= self.max_num_seqs:
-            raise ValueError(f"the batch is full (max_num_seqs={self.max_num_seqs})")
+        if self._num_seq_slots_promised() >= self.max_num_seqs:
+            raise ValueError(f"the batch is full (max_num_seqs={self.max_num_seqs}, counting the "
+                             "samples of n > 1 requests that fork after their prefill)")
         return self._fork(parent, 1)[0]
 
     def sequences_holding_blocks(self) -> list[Sequence]:
@@ -353,13 +395,7 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str, release: bool = False) -> None:
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
-        if seq.block_table is not None:
-            self._release(seq, force=release)
-
-    def _release(self, seq: Sequence, force: bool = False) -> None:
+    def _release(self, seq: Sequence, reason: str) -> None:
         """Return a finished sequence's blocks (policy hook: continuous frees at once)."""
         seq.block_table.free()
         seq.block_table = None
@@ -382,9 +418,9 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_used_blocks=alloc.num_used_blocks, num_free_blocks=alloc.num_free_blocks,
             num_cached_free_blocks=alloc.num_cached_free_blocks,
-            kv_utilization=alloc.kv_utilization,
+            kv_cache_usage=kv_cache_usage(alloc), held_slot_fill=held_slot_fill(alloc),
             preempted=[s.request.request_id for s in output.preempted],
             finished=[r.request_id for r in finished],
-            num_cached_tokens=self._num_cached_this_step,
+            num_cached_tokens=output.num_cached_tokens,
             num_copies=len(output.copies),
         )

@@ -13,10 +13,11 @@ block manager, so that comparisons measure the policy and nothing else.
 from __future__ import annotations
 
 import sys
+from typing import Iterable
 
 from ..memory import BlockAllocator, BlockTable
-from ..request import Request, Sequence, Status
-from .records import SchedulerOutput
+from ..request import Request, Sequence
+from ..utils import cdiv
 from .scheduler import Scheduler
 
 
@@ -32,7 +33,7 @@ class StaticScheduler(Scheduler):
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int = 64,
                  max_model_len: int | None = None, reserve: str = "max_tokens",
-                 eos_token_ids=(), **unused):
+                 eos_token_ids: Iterable[int] = ()):
         if reserve not in ("max_tokens", "model"):
             raise ValueError(f"reserve must be 'max_tokens' or 'model', got {reserve!r}")
         if reserve == "model" and max_model_len is None:
@@ -65,37 +66,25 @@ class StaticScheduler(Scheduler):
         return not self.running and not self._held
 
     def _admit(self, seq: Sequence, budget: int):
-        request = seq.request
-        longest = len(request.prompt_token_ids) + request.params.max_tokens
-        if self.max_model_len is not None:
-            longest = min(longest, self.max_model_len)
-        reservation = self._tokens_to_hold(request, longest)
-        if -(-reservation // self.block_size) > self.allocator.num_free_blocks:
+        reservation = self._tokens_to_hold(seq.request, self._max_len(seq.request))
+        if cdiv(reservation, self.block_size) > self.allocator.num_free_blocks:
             return None
         table = BlockTable(self.allocator)
         table.reserve(reservation)
         seq.block_table = table
         return len(seq.token_ids), self._grow(seq, len(seq.token_ids))
 
-    def _release(self, seq: Sequence, force: bool = False) -> None:
-        if force:
-            super()._release(seq)
+    def _release(self, seq: Sequence, reason: str) -> None:
+        if reason == "abort":
+            super()._release(seq, reason)   # its client is gone: no reason to hold its memory
         else:
             self._held.append(seq)
 
-    def update(self, output: SchedulerOutput, sampled: list[list[int]], now: float) -> list[Request]:
-        finished = super().update(output, sampled, now)
-        if not self.running:
+    def finish_sequence(self, seq: Sequence, reason: str, now: float = 0.0) -> Request | None:
+        request = super().finish_sequence(seq, reason, now)
+        if not self.running and self._held:
             # The batch's longest request is done: only now does its memory come back.
-            for seq in self._held:
-                super()._release(seq)
+            for held in self._held:
+                super()._release(held, held.finish_reason)
             self._held.clear()
-        return finished
-
-    def abort(self, request_id: str) -> bool:
-        done = super().abort(request_id)
-        if done and not self.running:
-            for seq in self._held:
-                super()._release(seq)
-            self._held.clear()
-        return done
+        return request

@@ -5,7 +5,10 @@
 * ``create_app``: the FastAPI app (``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/health``, ``/metrics``);
 * ``BackgroundServer``: the server on a thread (notebooks, tests), on a free loopback port;
-* ``python -m labkit serve``: the same in the foreground.
+* ``python -m labkit serve``: the same in the foreground;
+* for a class sharing one server (``docs/classroom.md``): ``KeyRing``/``load_keys`` (API
+  keys, ``auth.py``), ``Limits`` (per-key cap, max_tokens, body size, timeouts,
+  ``limits.py``) and the admission gate in front of the engine (``fairness.py``).
 
 FastAPI and uvicorn come with ``pip install 'labkit[serve]'``; they load when the app is
 first built, so ``AsyncEngine`` alone needs neither.
@@ -14,10 +17,13 @@ first built, so ``AsyncEngine`` alone needs neither.
 from __future__ import annotations
 
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestRecord, RequestStream
+from .auth import KeyRing, load_keys
+from .limits import Limits
 from .metrics import parse_metrics, render_metrics
 
 __all__ = ["AsyncEngine", "RequestStream", "RequestRecord", "QueueFullError", "EngineDeadError",
-           "create_app", "BackgroundServer", "serve", "parse_metrics", "render_metrics"]
+           "create_app", "BackgroundServer", "serve", "parse_metrics", "render_metrics",
+           "KeyRing", "load_keys", "Limits"]
 
 
 def __getattr__(name):

@@ -12,8 +12,16 @@ its request aborted and its KV blocks freed at once: the stream notices the disc
 (Starlette cancels it, and a watcher polls ``request.is_disconnected()``) and aborts.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
-malformed requests and values the engine refuses (the prompt too long, say), 404 for an
-unknown model, 429 when ``max_waiting`` requests wait already, 503 when the engine is down.
+malformed requests and values the engine refuses (the prompt too long, say), 401 without a
+valid key (when the server has keys), 404 for an unknown model, 408 for a body that does not
+arrive in time, 413 for a body over the size limit, 429 when the client is over its share
+(``Retry-After``) or ``max_waiting`` requests wait already, 503 when the engine is down.
+
+A server a class shares (``auth.py``, ``fairness.py``, ``limits.py``): with keys, every
+``/v1`` route needs ``Authorization: Bearer <key>``, and so does ``/metrics`` unless
+``limits.metrics_public``; ``/health`` is always open. Each request is counted under its
+key's name (without keys: the client address), and passes the admission gate: a cap per
+key, then round-robin release into the engine.
 """
 
 from __future__ import annotations
@@ -26,10 +34,14 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from .metrics import render_metrics
+from .auth import KeyRing
+from .fairness import AdmissionGate, OverCapError, Ticket
+from .limits import STALLED_SCOPE_KEY, ConnectionStats, Limits, check_length, read_body
+from .metrics import render_client_metrics, render_metrics
 from .protocol import (APIError, Parsed, bad_request, error_body, new_id, now, parse_chat,
                        parse_completion, parse_json, sse, usage)
 
@@ -37,11 +49,23 @@ DISCONNECT_POLL_S = 0.25
 
 
 def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
-               owns_engine: bool = False, on_startup=None) -> FastAPI:
+               owns_engine: bool = False, on_startup=None, keys: KeyRing | None = None,
+               limits: Limits | None = None, connections: ConnectionStats | None = None) -> FastAPI:
     """The FastAPI application serving ``engine`` under ``served_model_name`` (default:
-    the model's name). ``owns_engine``: shut the engine down when the app stops."""
+    the model's name). ``owns_engine``: shut the engine down when the app stops.
+
+    ``keys``: the API keys it accepts (None or empty: anyone). ``limits``: per-request
+    and per-key limits (default ``Limits()``: no per-key gate). ``connections``: the
+    counters of the connection guards (``limits.guarded_protocol``), shown in /metrics."""
     name = served_model_name or engine.model_name
     aliases = {name, engine.model_name}
+    keys = keys or KeyRing()
+    limits = limits or Limits()
+    cap = limits.max_concurrent_per_key
+    # With a cap, release into the engine round-robin, at most a batch (max_num_seqs) at
+    # a time; without one the gate only counts, and the engine's FCFS decides alone.
+    gate = AdmissionGate(cap, engine.engine.scheduler.max_num_seqs if cap is not None else None)
+    auth_failures = {"missing": 0, "invalid": 0}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -57,28 +81,57 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
     app.state.model_name = name
     http_errors: collections.Counter = collections.Counter()     # status code -> responses
     app.state.http_errors = http_errors
+    app.state.gate = gate
+    app.state.keys = keys
+    app.state.limits = limits
+
+    def count_error(request: Request, status: int) -> None:
+        http_errors[status] += 1
+        client = getattr(request.state, "client", None)
+        if client is not None:
+            errors = gate.usage(client).errors
+            errors[status] = errors.get(status, 0) + 1
 
     # ---- errors in OpenAI's shape ---------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        http_errors[exc.status] += 1
+        count_error(request, exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        http_errors[exc.status_code] += 1
+        count_error(request, exc.status_code)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        http_errors[400] += 1
+        count_error(request, 400)
         return JSONResponse(error_body(str(exc)), status_code=400)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        http_errors[500] += 1
+        count_error(request, 500)
         return JSONResponse(error_body(f"internal error: {exc!r}", "internal_error"), status_code=500)
+
+    # ---- who is asking ----------------------------------------------------------------
+    def authorize(request: Request) -> str:
+        """The client's name: its key's name, or its address when the server has no keys.
+        Raises a 401 (OpenAI's body and wording) without a valid key."""
+        if not keys:
+            client = request.client.host if request.client else "unknown"
+        else:
+            header = request.headers.get("authorization")
+            client = keys.name_of(header)
+            if client is None:
+                auth_failures["missing" if not header else "invalid"] += 1
+                message = ("You didn't provide an API key. Send it in the Authorization header: "
+                           "'Authorization: Bearer YOUR_KEY' (OpenAI clients: api_key=YOUR_KEY)."
+                           if not header else "Incorrect API key provided.")
+                raise APIError(401, message, "invalid_request_error", None, "invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+        request.state.client = client
+        return client
 
     # ---- plain endpoints --------------------------------------------------------------
     @app.get("/health")
@@ -89,26 +142,32 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        authorize(request)
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": now(), "owned_by": "labkit",
             "root": engine.model_name, "max_model_len": engine.max_model_len,
             "vocab_size": engine.vocab_size}]}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(render_metrics(engine.stats(), dict(http_errors)),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request):
+        if not limits.metrics_public:
+            authorize(request)
+        text = render_metrics(engine.stats(), dict(http_errors)) + render_client_metrics(
+            gate, auth_failures, connections or ConnectionStats())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---- generation ------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        parsed = parse_completion(parse_json(await request.body()))
+        _screen(request)
+        parsed = parse_completion(parse_json(await read_body(request, limits)))
         return await _serve(request, parsed, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        parsed = parse_chat(parse_json(await request.body()))
+        _screen(request)
+        parsed = parse_chat(parse_json(await read_body(request, limits)))
         if getattr(engine.tokenizer, "chat_template", None) is None:
             raise bad_request(f"model {name!r} has no chat template: use /v1/completions", param="messages")
         try:
@@ -123,14 +182,93 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         if parsed.model is not None and parsed.model not in aliases:
             raise APIError(404, f"the model {parsed.model!r} does not exist; this server serves {name!r}",
                            "invalid_request_error", "model", "model_not_found")
+        _cap_max_tokens(parsed)
         rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
-        streams = await _start(rid, parsed, chat)
+        ticket = await _admit(request, len(parsed.prompts) * parsed.params.n)
+        try:
+            streams = await _start(rid, parsed, chat)
+        except BaseException:
+            gate.release(ticket)
+            raise
         if parsed.stream:
-            gen = _stream_chat(request, rid, parsed, streams) if chat else \
-                _stream_completion(request, rid, parsed, streams)
-            return StreamingResponse(gen, media_type="text/event-stream",
+            newest: dict[int, object] = {}         # each stream's newest output, for _account
+
+            async def cleanup():
+                # After the response, and also when the client left before the body began
+                # (the generator, never started, then has no finally to run).
+                for s in streams:
+                    s.abort()
+                _account(ticket, streams, newest)
+
+            gen = _stream_chat(request, rid, parsed, streams, ticket, newest) if chat else \
+                _stream_completion(request, rid, parsed, streams, ticket, newest)
+            return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(cleanup),
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        return await _complete(request, rid, parsed, streams, chat)
+        return await _complete(request, rid, parsed, streams, chat, ticket)
+
+    def _cap_max_tokens(parsed: Parsed) -> None:
+        """Apply ``limits.max_tokens``: the default of a chat request without max_tokens,
+        and a 400 for an explicit value over it (never a silent cut)."""
+        cap = limits.max_tokens
+        if cap is None:
+            return
+        params = parsed.params
+        if parsed.fill_context:
+            parsed.fill_context = False
+            params.max_tokens = cap
+            if params.min_tokens > cap:
+                raise bad_request(f"min_tokens={params.min_tokens} exceeds this server's limit of "
+                                  f"{cap} tokens per request", param="min_tokens")
+        elif params.max_tokens > cap:
+            raise bad_request(f"max_tokens={params.max_tokens} exceeds this server's limit of {cap} "
+                              "tokens per request (ask for fewer)", param="max_tokens",
+                              code="max_tokens_limit")
+
+    def _screen(request: Request) -> None:
+        """What the headers alone can refuse, before the body is read (refusing stays
+        cheap): no valid key (401), a declared body over the limit (413), a key at its
+        cap already (429)."""
+        client = authorize(request)
+        check_length(request, limits)
+        try:
+            gate.check_room(client)
+        except OverCapError as e:
+            raise _too_many(e) from None
+
+    def _too_many(e: OverCapError) -> APIError:
+        return APIError(429, str(e), "rate_limit_error", None, "too_many_concurrent_requests",
+                        headers={"Retry-After": str(e.retry_after_s)})
+
+    async def _admit(request: Request, cost: int) -> Ticket:
+        """Places in the engine for this request: 429 at once over the client's cap, else
+        (maybe after waiting for the client's turn) a ticket to give back at the end."""
+        client = request.state.client
+        wait = asyncio.ensure_future(gate.acquire(client, cost))
+        try:
+            while True:                  # poll the client while it waits for its turn
+                done, _ = await asyncio.wait({wait}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return wait.result()
+                if await request.is_disconnected():
+                    raise APIError(499, "the client closed the connection while waiting for its turn",
+                                   code="client_closed_request")
+        except OverCapError as e:
+            raise _too_many(e) from None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        finally:
+            if not wait.done():
+                wait.cancel()            # withdraws the queued request (or gives a fresh ticket back)
+
+    def _account(ticket: Ticket, streams: list[RequestStream], newest: dict) -> None:
+        """Give the ticket's places back and count the request's tokens under its client
+        (``newest``: each stream's newest output). Once per ticket."""
+        if ticket.done:
+            return
+        gate.release(ticket)
+        u = gate.usage(ticket.client)
+        u.prompt_tokens += sum(len(s.prompt_token_ids) for s in streams)
+        u.generation_tokens += sum(len(o.token_ids) for out in newest.values() for o in out.outputs)
 
     async def _start(rid: str, parsed: Parsed, chat: bool) -> list[RequestStream]:
         """Queue every prompt, or none: a refusal aborts those already queued."""
@@ -157,18 +295,19 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
             raise
         return streams
 
-    async def _complete(request: Request, rid: str, parsed: Parsed, streams: list[RequestStream], chat: bool):
+    async def _complete(request: Request, rid: str, parsed: Parsed, streams: list[RequestStream], chat: bool,
+                        ticket: Ticket):
         final: dict[int, object] = {}
         try:
             async with _watch_disconnect(request, streams):
-                async for i, out in _merge(streams):
-                    if out.finished:
-                        final[i] = out
+                async for batch in _newest(streams):
+                    final.update(batch)
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable") from None
         finally:
             for s in streams:
                 s.abort()
+            _account(ticket, streams, final)
         choices, prompt_tokens, completion_tokens = [], 0, 0
         n = parsed.params.n
         for i in range(len(streams)):
@@ -191,7 +330,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
             body["prompt_token_ids"] = [s.prompt_token_ids for s in streams]
         return body
 
-    async def _stream_completion(request, rid, parsed, streams) -> AsyncIterator[str]:
+    async def _stream_completion(request, rid, parsed, streams, ticket, newest) -> AsyncIterator[str]:
         created = now()
 
         def chunk(index, text, finish_reason, token_ids):
@@ -201,10 +340,11 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
             return sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                         "choices": [choice]})
 
-        async for event in _events(request, parsed, streams, chunk, [], rid, created, "text_completion"):
+        async for event in _events(request, parsed, streams, ticket, newest, chunk, [], rid, created,
+                                   "text_completion"):
             yield event
 
-    async def _stream_chat(request, rid, parsed, streams) -> AsyncIterator[str]:
+    async def _stream_chat(request, rid, parsed, streams, ticket, newest) -> AsyncIterator[str]:
         created = now()
 
         def event(index, delta, finish_reason, token_ids=None):
@@ -220,12 +360,16 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         # OpenAI's first chunk of each choice names the role, with empty content.
         preamble = [event(i, {"role": "assistant", "content": ""}, None, [])
                     for i in range(len(streams) * parsed.params.n)]
-        async for e in _events(request, parsed, streams, chunk, preamble, rid, created, "chat.completion.chunk"):
+        async for e in _events(request, parsed, streams, ticket, newest, chunk, preamble, rid, created,
+                               "chat.completion.chunk"):
             yield e
 
-    async def _events(request, parsed, streams, chunk, preamble, rid, created, obj) -> AsyncIterator[str]:
+    async def _events(request, parsed, streams, ticket, newest, chunk, preamble, rid, created,
+                      obj) -> AsyncIterator[str]:
         """Turn engine outputs into chunks: new text (held back while it could still
-        become a stop string), new token ids, and each choice's finish reason."""
+        become a stop string), new token ids, and each choice's finish reason. Outputs
+        are cumulative, so when the client reads slower than the engine writes, the
+        newest output alone makes the next chunk (``_newest``)."""
         n = parsed.params.n
         holdback = max((len(s) for s in parsed.params.stop), default=1) - 1
         sent_text: dict[int, int] = {}
@@ -236,25 +380,29 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
             for e in preamble:
                 yield e
             async with _watch_disconnect(request, streams):
-                async for i, out in _merge(streams):
-                    for o in out.outputs:
-                        index = i * n + o.index
-                        if index in closed:
-                            continue
-                        done = o.finish_reason is not None
-                        start = sent_text.get(index, 0)
-                        upto = len(o.text) if done else max(start, len(o.text) - holdback)
-                        text = o.text[start:upto]
-                        tokens = o.token_ids[sent_tokens.get(index, 0):]
-                        if text or tokens or done:
-                            sent_text[index] = upto
-                            sent_tokens[index] = len(o.token_ids)
-                            yield chunk(index, text, o.finish_reason, tokens)
-                        if done:
-                            closed.add(index)
-                            completion_tokens += len(o.token_ids)
-                    if out.finished:
-                        prompt_tokens += len(out.prompt_token_ids)
+                async for batch in _newest(streams):
+                    newest.update(batch)
+                    if all(s.finished for s in streams):
+                        _account(ticket, streams, newest)     # the engine is done with it
+                    for i, out in batch:
+                        for o in out.outputs:
+                            index = i * n + o.index
+                            if index in closed:
+                                continue
+                            done = o.finish_reason is not None
+                            start = sent_text.get(index, 0)
+                            upto = len(o.text) if done else max(start, len(o.text) - holdback)
+                            text = o.text[start:upto]
+                            tokens = o.token_ids[sent_tokens.get(index, 0):]
+                            if text or tokens or done:
+                                sent_text[index] = upto
+                                sent_tokens[index] = len(o.token_ids)
+                                yield chunk(index, text, o.finish_reason, tokens)
+                            if done:
+                                closed.add(index)
+                                completion_tokens += len(o.token_ids)
+                        if out.finished:
+                            prompt_tokens += len(out.prompt_token_ids)
             if parsed.include_usage:
                 yield sse({"id": rid, "object": obj, "created": created, "model": name, "choices": [],
                            "usage": usage(prompt_tokens, completion_tokens)})
@@ -264,6 +412,9 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         finally:
             for s in streams:
                 s.abort()
+            _account(ticket, streams, newest)
+            if request.scope.get(STALLED_SCOPE_KEY):
+                gate.usage(ticket.client).stalled += 1
 
     return app
 
@@ -273,35 +424,40 @@ def _copy(params):
     return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
-    """Outputs of several streams as ``(stream index, output)``, in arrival order."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+async def _newest(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, object]]]:
+    """The streams' outputs as batches of ``(stream index, newest output)``.
 
-    async def pump(i, stream):
+    A task per stream drains it into one slot that keeps only the newest output, so what
+    waits for a slow reader is one output per stream, however many iterations the engine
+    runs meanwhile (outputs are cumulative: the newest holds everything). Ends when every
+    stream has finished; re-raises a stream's error."""
+    newest: dict[int, object] = {}
+    errors: list[BaseException] = []
+    ready = asyncio.Event()
+
+    async def drain(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                await queue.put((i, out))
-        except BaseException as e:  # noqa: BLE001 - hand it to the consumer
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
+                newest[i] = out
+                ready.set()
+        except Exception as e:  # noqa: BLE001 - hand it to the reader
+            errors.append(e)
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.ensure_future(drain(i, s)) for i, s in enumerate(streams)]
+    for t in tasks:
+        t.add_done_callback(lambda _: ready.set())
     try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        while True:
+            await ready.wait()
+            ready.clear()
+            if newest:
+                batch = sorted(newest.items(), key=lambda item: item[0])
+                newest.clear()
+                yield batch
+            if errors:
+                raise errors[0]
+            if all(t.done() for t in tasks) and not newest:
+                return
     finally:
         for t in tasks:
             t.cancel()

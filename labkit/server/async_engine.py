@@ -33,8 +33,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ..request import Request
+from ..outputs import RequestOutput, request_output
+from ..request import Request, encode_prompt
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger("labkit.server")
@@ -54,7 +54,7 @@ class EngineDeadError(RuntimeError):
 class RequestRecord:
     """A served request's timings on the engine's clock, kept for plots and exercises.
 
-    Has ``request_id``, ``arrival_time`` and ``finish_time``, so it can stand in for a
+    Has ``request_id``, ``arrival_time`` and ``finished_time``, so it can stand in for a
     ``Request`` in ``labkit.viz.timeline_figure``.
     """
 
@@ -63,7 +63,7 @@ class RequestRecord:
     num_prompt_tokens: int
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    finish_time: float | None = None
+    finished_time: float | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -74,7 +74,7 @@ class RequestRecord:
 
     @property
     def latency(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
 class RequestStream:
@@ -165,7 +165,7 @@ class AsyncEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self.counters = {"requests_finished": 0, "requests_aborted": 0, "rejected_queue_full": 0,
-                         "rejected_invalid": 0, "prompt_tokens": 0, "generation_tokens": 0}
+                         "rejected_invalid": 0, "prompt_tokens": 0}
         self._stats: dict = {}
         self._refresh_stats()
         self._thread: threading.Thread | None = None
@@ -347,7 +347,7 @@ class AsyncEngine:
     def _admit(self, request_id: str, prompt, params: SamplingParams, fill_context: bool,
                future: concurrent.futures.Future) -> None:
         try:
-            text, ids = self._encode(prompt)
+            text, ids = encode_prompt(prompt, self.tokenizer)
             if fill_context:
                 params.max_tokens = max(1, self.max_model_len - len(ids))
                 params.min_tokens = min(params.min_tokens, params.max_tokens)
@@ -363,16 +363,6 @@ class AsyncEngine:
         with self._cond:
             self.counters["prompt_tokens"] += len(ids)
         future.set_result(list(ids))
-
-    def _encode(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def _step(self) -> None:
         engine = self.engine
@@ -390,7 +380,6 @@ class AsyncEngine:
             if request is not None:
                 self._publish(request)
         with self._cond:
-            self.counters["generation_tokens"] = engine.scheduler.num_generated_tokens
             for rid in list(self._unscheduled):
                 request = self._requests.get(rid)
                 if request is not None and (request.first_scheduled_time is not None or request.finished):
@@ -450,22 +439,13 @@ class AsyncEngine:
                 pass
 
     def _output(self, r: Request) -> RequestOutput:
-        engine = self.engine
-        seqs = sorted(r.seqs, key=lambda s: s.index)
-        texts = [engine.text_of(s) for s in seqs]
+        texts = [self.engine.text_of(s) for s in r.seqs]
         delta = []
-        for s, text in zip(seqs, texts):     # the text no earlier output of this stream had
+        for s, text in zip(r.seqs, texts):   # the text no earlier output of this stream had
             sent = self._sent.get(s.seq_id, 0)
             delta.append(text[sent:])
             self._sent[s.seq_id] = max(sent, len(text))
-        return RequestOutput(
-            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
-            outputs=[CompletionOutput(s.index, text, list(s.output_token_ids), s.finish_reason)
-                     for s, text in zip(seqs, texts)],
-            finished=r.finished,
-            metrics=RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finish_time),
-            num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
-            delta=delta)
+        return request_output(r, texts, delta)
 
     def _refresh_stats(self) -> None:
         """Snapshot the engine's numbers (engine thread, between iterations)."""

@@ -7,6 +7,12 @@
 
 Both bind the socket themselves before uvicorn starts, so ``port=0`` (a free port chosen
 by the OS) works and the address is known at once. The default host is loopback.
+
+For a class (``docs/classroom.md``): ``api_keys=`` (a ``KeyRing``, or key strings
+``"key"``/``"name:key"``) and ``limits=Limits(max_concurrent_per_key=...)``. Listening on
+an address other than loopback without a key is refused unless
+``allow_unauthenticated=True``: exposing a server by accident must not be one flag away.
+Connections are served by ``limits.guarded_protocol``: request-head and stall timers.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import time
 
 from .app import create_app
 from .async_engine import AsyncEngine
+from .auth import ENV_VAR, KeyRing
+from .limits import ConnectionStats, Limits, guarded_protocol
 
 LOOPBACK = "127.0.0.1"
 
@@ -44,10 +52,54 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _config(app, log_level: str):
+class ExposureError(ValueError):
+    """Listening beyond loopback without a key, and without saying that is intended."""
+
+
+def check_exposure(host: str, keys: KeyRing, allow_unauthenticated: bool = False) -> None:
+    """Refuse a non-loopback ``host`` without keys unless ``allow_unauthenticated``."""
+    if is_loopback(host) or keys or allow_unauthenticated:
+        return
+    raise ExposureError(
+        f"refusing to listen on {host} without an API key: anyone who can reach this machine "
+        f"could use the server. Add a key (--api-key KEY, --api-keys-file FILE with one 'name:key' "
+        f"per line, or the environment variable {ENV_VAR}; in Python: api_keys=[...]), listen on "
+        f"127.0.0.1, or accept the risk with --allow-unauthenticated (allow_unauthenticated=True)")
+
+
+def describe_access(host: str, keys: KeyRing, limits: Limits) -> str:
+    """Who can reach the server and what each may do, for the start-up banner."""
+    if is_loopback(host):
+        who = "from this machine only (loopback)"
+    else:
+        who = f"from the network: anyone who can reach {host}"
+    auth = (f"with one of {len(keys)} API keys ({', '.join(keys.names[:4])}{', ...' if len(keys) > 4 else ''})"
+            if keys else "with no API key (anyone who reaches it may use it)")
+    cap = limits.max_concurrent_per_key
+    share = (f"at most {cap} sequences running or waiting per {'key' if keys else 'client address'}, "
+             "admitted round-robin" if cap is not None else "no per-client cap")
+    tokens = f"max_tokens <= {limits.max_tokens}" if limits.max_tokens else "max_tokens up to the context"
+    metrics = "/metrics open" if limits.metrics_public or not keys else "/metrics needs a key"
+    return f"reachable {who}, {auth}; {share}; {tokens}; {metrics}; /health open"
+
+
+def _as_keys(api_keys) -> KeyRing:
+    if api_keys is None or isinstance(api_keys, KeyRing):
+        return api_keys or KeyRing()
+    if isinstance(api_keys, str):
+        raise ValueError("api_keys takes a list of keys (or a KeyRing), not one string")
+    ring = KeyRing()
+    for i, spec in enumerate(api_keys):
+        ring.add_spec(spec, f"api_keys[{i}]")
+    return ring
+
+
+def _config(app, log_level: str, limits: Limits, connections: ConnectionStats):
     import uvicorn
     return uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                          timeout_graceful_shutdown=3, timeout_keep_alive=30)
+                          timeout_graceful_shutdown=3, timeout_keep_alive=30,
+                          http=guarded_protocol(limits, connections),
+                          limit_concurrency=limits.max_connections)
 
 
 class BackgroundServer:
@@ -57,11 +109,18 @@ class BackgroundServer:
     ``num_blocks=``, ``max_num_seqs=``, ``max_waiting=``, ``step_delay_s=``, ...: the
     engine then belongs to the server and stops with it). Starts at once unless
     ``start=False``; ``stop()`` (or leaving a ``with`` block) stops it.
+
+    ``api_keys``: keys (``"key"`` or ``"name:key"``) or a ``KeyRing``; ``limits``: a
+    ``Limits`` (default: no per-key cap, the in-process server of one user).
     """
 
     def __init__(self, engine: AsyncEngine | None = None, *, host: str = LOOPBACK, port: int = 0,
                  served_model_name: str | None = None, log_level: str = "warning",
-                 start: bool = True, **engine_options):
+                 start: bool = True, api_keys=None, limits: Limits | None = None,
+                 allow_unauthenticated: bool = False, **engine_options):
+        self.keys = _as_keys(api_keys)
+        self.limits = limits or Limits()
+        check_exposure(host, self.keys, allow_unauthenticated)
         if engine is None:
             engine_options.setdefault("model", "smollm2-135m")
             engine = AsyncEngine(**engine_options)
@@ -72,7 +131,9 @@ class BackgroundServer:
             self._owns_engine = False
         self.engine = engine
         self.host = host
-        self.app = create_app(engine, served_model_name)
+        self.connections = ConnectionStats()
+        self.app = create_app(engine, served_model_name, keys=self.keys, limits=self.limits,
+                              connections=self.connections)
         self._sock = bind_socket(host, port)
         self.port: int = self._sock.getsockname()[1]
         self._server = None
@@ -96,7 +157,7 @@ class BackgroundServer:
         import uvicorn
         if self._thread is not None:
             return self
-        self._server = uvicorn.Server(_config(self.app, self._log_level))
+        self._server = uvicorn.Server(_config(self.app, self._log_level, self.limits, self.connections))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name=f"labkit-http-{self.port}", daemon=True)
         self._thread.start()
@@ -135,12 +196,18 @@ class BackgroundServer:
 
 
 def serve(engine: AsyncEngine, host: str = LOOPBACK, port: int = 8000, served_model_name: str | None = None,
-          log_level: str = "info") -> None:
-    """Serve in the foreground until Ctrl-C (the CLI). Prints the address once listening."""
+          log_level: str = "info", keys: KeyRing | None = None, limits: Limits | None = None,
+          allow_unauthenticated: bool = False) -> None:
+    """Serve in the foreground until Ctrl-C (the CLI). Prints the address once listening,
+    and who can reach it. Raises ``ExposureError`` for a non-loopback host without keys
+    (unless ``allow_unauthenticated``)."""
     import uvicorn
-    if not is_loopback(host):
-        print(f"labkit: warning: listening on {host}, not loopback: anyone who can reach this "
-              "machine can use the server (there is no authentication)", file=sys.stderr)
+    keys = keys or KeyRing()
+    limits = limits or Limits()
+    check_exposure(host, keys, allow_unauthenticated)
+    if not is_loopback(host) and not keys:
+        print(f"labkit: warning: listening on {host} with no API key (--allow-unauthenticated): "
+              "anyone who can reach this machine can use the server", file=sys.stderr)
     sock = bind_socket(host, port)
     actual = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
@@ -149,7 +216,10 @@ def serve(engine: AsyncEngine, host: str = LOOPBACK, port: int = 8000, served_mo
     def banner():
         print(f"labkit: serving {name} at http://{shown}:{actual}/v1 (OpenAI-compatible; "
               f"/health, /metrics)", flush=True)
+        print(f"labkit: {describe_access(host, keys, limits)}", flush=True)
 
-    app = create_app(engine, served_model_name, owns_engine=True, on_startup=banner)
+    connections = ConnectionStats()
+    app = create_app(engine, served_model_name, owns_engine=True, on_startup=banner, keys=keys,
+                     limits=limits, connections=connections)
     logging.getLogger("uvicorn.error").propagate = False
-    uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
+    uvicorn.Server(_config(app, log_level, limits, connections)).run(sockets=[sock])

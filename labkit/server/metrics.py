@@ -18,15 +18,15 @@ METRICS = [
     ("labkit_kv_blocks_free", "gauge", "num_free_blocks", "KV blocks that can be allocated (free or cached-free)."),
     ("labkit_kv_blocks_used", "gauge", "num_used_blocks", "KV blocks held by at least one sequence."),
     ("labkit_kv_blocks_cached_free", "gauge", "num_cached_free_blocks", "Free KV blocks still holding a reusable prefix."),
-    ("labkit_kv_usage_ratio", "gauge", "kv_usage_ratio", "Share of the KV pool held by sequences."),
-    ("labkit_kv_utilization", "gauge", "kv_utilization", "Share of the slots in held blocks that hold a token."),
+    ("labkit_kv_cache_usage", "gauge", "kv_cache_usage", "Share of the KV blocks held by sequences (vLLM's KV-cache usage)."),
+    ("labkit_held_slot_fill", "gauge", "held_slot_fill", "Share of the slots in held blocks that hold a token (0 when none is held)."),
     ("labkit_prefix_cache_hit_rate", "gauge", "prefix_cache_hit_rate", "Share of looked-up prompt blocks found in the prefix cache."),
     ("labkit_max_waiting", "gauge", "max_waiting", "Bound on pending requests (-1: none)."),
     ("labkit_num_preemptions_total", "counter", "num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks."),
     ("labkit_prompt_tokens_total", "counter", "prompt_tokens", "Prompt tokens of admitted requests."),
     ("labkit_prompt_tokens_computed_total", "counter", "num_prompt_tokens_computed", "Prompt tokens computed (prefix-cache hits excluded)."),
     ("labkit_prompt_tokens_cached_total", "counter", "num_cached_prompt_tokens", "Prompt tokens served from the prefix cache."),
-    ("labkit_generation_tokens_total", "counter", "generation_tokens", "Tokens generated."),
+    ("labkit_generation_tokens_total", "counter", "num_generated_tokens", "Tokens generated."),
     ("labkit_engine_steps_total", "counter", "num_steps", "Engine iterations run."),
     ("labkit_requests_finished_total", "counter", "requests_finished", "Requests that finished (stop or length)."),
     ("labkit_requests_aborted_total", "counter", "requests_aborted", "Requests aborted (client gone, cancelled, shutdown)."),
@@ -39,8 +39,6 @@ def render_metrics(stats: dict, http_errors: dict[int, int] | None = None) -> st
     """The text of ``/metrics`` from ``AsyncEngine.stats()`` and the error responses sent
     (``{status code: count}``)."""
     stats = dict(stats)
-    total = stats.get("num_total_blocks") or 0
-    stats["kv_usage_ratio"] = stats.get("num_used_blocks", 0) / total if total else 0.0
     if stats.get("max_waiting") is None:
         stats["max_waiting"] = -1
     lines = []
@@ -79,3 +77,53 @@ def parse_metrics(text: str) -> dict[str, float]:
         key, _, value = line.rpartition(" ")
         out[key] = float(value)
     return out
+
+
+# ---- per key (a class's shared server) -----------------------------------------------
+# (metric name, kind, ClientUsage attribute, help). Labelled key="<the key's name>" (never
+# the key), or the client address when the server has no keys.
+KEY_METRICS = [
+    ("labkit_key_requests_total", "counter", "requests", "Requests admitted into the engine, per key name."),
+    ("labkit_key_prompt_tokens_total", "counter", "prompt_tokens", "Prompt tokens of the key's requests."),
+    ("labkit_key_generation_tokens_total", "counter", "generation_tokens", "Tokens generated for the key."),
+    ("labkit_key_concurrency", "gauge", "concurrency", "Sequences the key has running or waiting (what the cap bounds)."),
+    ("labkit_key_queued", "gauge", "queued", "Sequences of the key waiting in the gate for their round-robin turn."),
+    ("labkit_key_streams_stalled_total", "counter", "stalled", "Streams aborted because the client stopped reading."),
+]
+
+
+def render_client_metrics(gate, auth_failures: dict[str, int], connections) -> str:
+    """The per-key part of ``/metrics``: each ``ClientUsage`` in ``gate.clients`` (its
+    counters, its error responses by status), the gate's totals, the 401s by reason
+    (``missing``/``invalid`` key), and the connections the guards cut (``connections``:
+    a ``limits.ConnectionStats``)."""
+    clients = sorted(gate.clients.items())
+    lines = []
+    for name, kind, attr, help_text in KEY_METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [f'{name}{{key="{_label(c)}"}} {getattr(u, attr)}' for c, u in clients]
+    lines += ["# HELP labkit_key_errors_total Error responses to the key's requests, by HTTP status (429: over its share).",
+              "# TYPE labkit_key_errors_total counter"]
+    lines += [f'labkit_key_errors_total{{key="{_label(c)}",status="{code}"}} {n}'
+              for c, u in clients for code, n in sorted(u.errors.items())]
+    cap = -1 if gate.cap is None else gate.cap
+    lines += ["# HELP labkit_max_concurrent_per_key Cap on each key's running + waiting sequences (-1: none).",
+              "# TYPE labkit_max_concurrent_per_key gauge", f"labkit_max_concurrent_per_key {cap}",
+              "# HELP labkit_gate_in_flight Sequences handed by the gate to the engine, not finished.",
+              "# TYPE labkit_gate_in_flight gauge", f"labkit_gate_in_flight {gate.in_flight}",
+              "# HELP labkit_gate_queued Requests waiting in the gate for their key's turn.",
+              "# TYPE labkit_gate_queued gauge", f"labkit_gate_queued {gate.num_queued}",
+              "# HELP labkit_unauthorized_total Requests refused with 401, by reason (no key, wrong key).",
+              "# TYPE labkit_unauthorized_total counter"]
+    lines += [f'labkit_unauthorized_total{{reason="{r}"}} {n}' for r, n in sorted(auth_failures.items())]
+    lines += ["# HELP labkit_connections_cut_total Connections closed by the server's guards "
+              "(header_timeout: no request head in time; stalled: the client stopped reading).",
+              "# TYPE labkit_connections_cut_total counter",
+              f'labkit_connections_cut_total{{reason="header_timeout"}} {connections.header_timeouts}',
+              f'labkit_connections_cut_total{{reason="stalled"}} {connections.stalled}']
+    return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -46,7 +46,7 @@ class BatchShape:
     def of(cls, plan: SchedulerOutput) -> "BatchShape":
         shape = cls(num_seqs=len(plan.scheduled))
         for item in plan.scheduled:
-            n, start = item.num_new_tokens, item.start
+            n, start = item.num_new_tokens, item.num_computed_tokens
             if item.is_prefill:
                 shape.num_prefill_tokens += n
                 # token j of the chunk attends to start + j + 1 keys (causal)

@@ -228,9 +228,9 @@ class ServedRequest:
     request_id: str
     prompt_len: int
     output_len: int
-    arrival_s: float
-    first_token_s: float | None = None
-    finish_s: float | None = None
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # when each output token left
     prefill_instance: str = ""
     decode_instance: str = ""
@@ -239,14 +239,14 @@ class ServedRequest:
 
     @property
     def ttft(self) -> float:
-        return self.first_token_s - self.arrival_s
+        return self.first_token_time - self.arrival_time
 
     @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first; None for one-token outputs."""
         if self.output_len < 2:
             return None
-        return (self.finish_s - self.first_token_s) / (self.output_len - 1)
+        return (self.finished_time - self.first_token_time) / (self.output_len - 1)
 
     @property
     def itls(self) -> list[float]:
@@ -266,8 +266,8 @@ class ClusterResult:
 
     @property
     def makespan_s(self) -> float:
-        start = min(r.arrival_s for r in self.requests)
-        return max(r.finish_s for r in self.requests) - start
+        start = min(r.arrival_time for r in self.requests)
+        return max(r.finished_time for r in self.requests) - start
 
     def ttfts(self) -> list[float]:
         return [r.ttft for r in self.requests]
@@ -307,7 +307,7 @@ def summarize_cluster(result: ClusterResult, slo: SLO | None = None) -> dict:
                   else {"colocated": cfg.num_colocated}),
         "chunk_tokens": cfg.max_num_batched_tokens if cfg.enable_chunked_prefill and not cfg.disaggregated else None,
         "requests": len(result.requests),
-        "finished": sum(1 for r in result.requests if r.finish_s is not None),
+        "finished": sum(1 for r in result.requests if r.finished_time is not None),
         "makespan_s": span,
         "output_tok_per_s": sum(r.output_len for r in result.requests) / span if span > 0 else math.nan,
     }
@@ -434,7 +434,7 @@ def serve(trace: list[TraceRequest], config: ClusterConfig, cost_model=None, *,
         rid = done.request_id
         r = served[rid]
         request = Request(rid, prompts[rid], SamplingParams(max_tokens=r.output_len, ignore_eos=True,
-                                                            temperature=0.0), arrival_time=r.arrival_s)
+                                                            temperature=0.0), arrival_time=r.arrival_time)
         seq0 = request.seqs[0]
         seq0.token_ids.append(done.seqs[0].token_ids[-1])     # the first token, from the prefill instance
         seq0.num_external_tokens = r.prompt_len              # the prompt's KV came over the link
@@ -446,13 +446,13 @@ def serve(trace: list[TraceRequest], config: ClusterConfig, cost_model=None, *,
         for request in requests:
             s = served[request.request_id]
             if inst.role == "prefill":
-                s.first_token_s = request.first_token_time
+                s.first_token_time = request.first_token_time
                 if s.output_len > 1:
                     heapq.heappush(events, (inst.now, next(seq), _PREFILLED, (request, inst)))
                     continue
             elif inst.role == "colocated":
-                s.first_token_s = request.first_token_time
-            s.finish_s = request.finish_time
+                s.first_token_time = request.first_token_time
+            s.finished_time = request.finished_time
             s.token_times = token_times.pop(request.request_id, [])
 
     handlers = {_ARRIVE: on_arrival, _PREFILLED: on_prefilled, _KV_ARRIVES: on_kv_arrives}
@@ -483,9 +483,9 @@ def check_cluster(result: ClusterResult) -> None:
         assert inst.allocator.num_used_blocks == 0, f"{inst.name} leaked {inst.allocator.num_used_blocks} blocks"
         assert not inst.scheduler.has_unfinished, f"{inst.name} still has requests"
     for r in result.requests:
-        assert r.finish_s is not None and r.first_token_s is not None, f"{r.request_id} did not finish"
+        assert r.finished_time is not None and r.first_token_time is not None, f"{r.request_id} did not finish"
         assert len(r.token_times) == r.output_len, (r.request_id, len(r.token_times), r.output_len)
-        assert r.arrival_s <= r.first_token_s <= r.finish_s
+        assert r.arrival_time <= r.first_token_time <= r.finished_time
 
 
 # ---- workloads and sweeps ---------------------------------------------------------------

@@ -34,12 +34,6 @@ class SimExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ExecuteResult:
         self.num_copies += len(plan.copies)   # a real executor would copy the KV blocks here
-        sampled = []
-        for item in plan.scheduled:
-            seq = item.seq
-            position = item.start + item.num_new_tokens   # index of the token being sampled
-            rid = seq.request.request_id
-            # At a fork, sample i belongs to sequence index i of the request.
-            indices = range(item.num_samples) if item.num_samples > 1 else [seq.index] * item.num_samples
-            sampled.append([dummy_token(rid, i, position, self.vocab_size) for i in indices])
+        sampled = [[dummy_token(item.seq.request.request_id, i, item.sample_position, self.vocab_size)
+                    for i in item.sample_indices] for item in plan.scheduled]
         return ExecuteResult(sampled, self.cost_model.iteration_time(BatchShape.of(plan)))

@@ -1,7 +1,7 @@
 """Run a trace through the real scheduler and block manager with the simulator's executor.
 
-``simulate`` builds the same objects the real engine uses (``BlockAllocator``, a
-``Scheduler`` or ``StaticScheduler``, ``Engine``), swaps the model for ``SimExecutor``,
+``simulate`` builds the same objects the real engine uses (``BlockAllocator``, the
+scheduler ``make_scheduler`` gives for the policy, ``Engine``), swaps the model for ``SimExecutor``,
 releases each request at its arrival time on the simulated clock, and measures.
 """
 
@@ -13,12 +13,12 @@ from ..engine import Engine
 from ..memory import BlockAllocator
 from ..request import Request
 from ..sampling_params import SamplingParams
-from ..scheduler import Scheduler, StaticScheduler, StepRecord
+from ..scheduler import POLICIES, StepRecord, make_scheduler
 from ..utils import percentile, progress_bar
 from .executor import SimExecutor
 from .traces import TraceRequest
 
-POLICIES = ("continuous", "static")
+__all__ = ["POLICIES", "SimResult", "make_scheduler", "percentile", "simulate", "summarize"]
 
 
 @dataclass
@@ -31,16 +31,6 @@ class SimResult:
     metrics: dict = field(default_factory=dict)
 
 
-def make_scheduler(policy: str, allocator: BlockAllocator, **options) -> Scheduler:
-    """The scheduler for ``policy`` ("continuous" or "static") on ``allocator``."""
-    if policy == "continuous":
-        options.pop("reserve", None)
-        return Scheduler(allocator, **options)
-    if policy == "static":
-        return StaticScheduler(allocator, **options)
-    raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
-
-
 def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_size: int = 16,
              num_blocks: int = 2048, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
              enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
@@ -51,13 +41,9 @@ def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_siz
     ``on_step(engine)``, if given, is called before the first iteration and after each one
     (the replay widget records snapshots with it)."""
     allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
-    options = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    if policy == "static":
-        options["reserve"] = reserve
-    else:
-        options.update(max_num_batched_tokens=max_num_batched_tokens, watermark=watermark,
-                       enable_chunked_prefill=enable_chunked_prefill)
-    scheduler = make_scheduler(policy, allocator, **options)
+    scheduler = make_scheduler(policy, allocator, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                               max_num_batched_tokens=max_num_batched_tokens, watermark=watermark,
+                               enable_chunked_prefill=enable_chunked_prefill, reserve=reserve)
     engine = Engine(scheduler, SimExecutor(cost_model, vocab_size), keep_records=keep_records)
 
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
@@ -95,12 +81,12 @@ def summarize(result: SimResult) -> dict:
     alloc.check_invariants()
     out_tokens = sum(s.num_output_tokens for r in reqs for s in r.seqs)
     start = min((r.arrival_time for r in reqs), default=0.0)
-    end = max((r.finish_time for r in reqs if r.finish_time is not None), default=start)
+    end = max((r.finished_time for r in reqs if r.finished_time is not None), default=start)
     makespan = end - start
     ttft = [r.first_token_time - r.arrival_time for r in reqs if r.first_token_time is not None]
-    latency = [r.finish_time - r.arrival_time for r in reqs if r.finish_time is not None]
-    tpot = [(r.finish_time - r.first_token_time) / (r.seqs[0].num_output_tokens - 1)
-            for r in reqs if r.finish_time is not None and r.seqs[0].num_output_tokens > 1]
+    latency = [r.finished_time - r.arrival_time for r in reqs if r.finished_time is not None]
+    tpot = [(r.finished_time - r.first_token_time) / (r.seqs[0].num_output_tokens - 1)
+            for r in reqs if r.finished_time is not None and r.seqs[0].num_output_tokens > 1]
     return {
         "policy": engine.scheduler.policy,
         "requests": len(reqs),
@@ -111,7 +97,8 @@ def summarize(result: SimResult) -> dict:
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
         "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
-        "kv_utilization_mean": sum(r.kv_utilization for r in recs) / len(recs) if recs else float("nan"),
+        "kv_cache_usage_mean": sum(r.kv_cache_usage for r in recs) / len(recs) if recs else float("nan"),
+        "held_slot_fill_mean": sum(r.held_slot_fill for r in recs) / len(recs) if recs else float("nan"),
         "peak_running": max((r.num_running + len(r.finished) for r in recs), default=0),
         "num_preemptions": engine.scheduler.num_preemptions,
         "leaked_blocks": alloc.num_used_blocks,

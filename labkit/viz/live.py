@@ -41,15 +41,13 @@ def make_sim_engine(num_blocks: int = 32, block_size: int = 4, *, policy: str = 
     watching (``policy``: ``"continuous"`` or ``"static"``)."""
     from ..engine import Engine
     from ..memory import BlockAllocator
-    from ..sim import SimExecutor, make_scheduler
+    from ..scheduler import make_scheduler
+    from ..sim import SimExecutor
 
     allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
-    options = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    if policy == "static":
-        options["reserve"] = "max_tokens"
-    else:
-        options["max_num_batched_tokens"] = max_num_batched_tokens
-    return Engine(make_scheduler(policy, allocator, **options), SimExecutor())
+    scheduler = make_scheduler(policy, allocator, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                               max_num_batched_tokens=max_num_batched_tokens, reserve="max_tokens")
+    return Engine(scheduler, SimExecutor())
 
 
 def _vocab_size(engine: "Engine") -> int:

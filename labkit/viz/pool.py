@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
 
+from ..scheduler.records import held_slot_fill, kv_cache_usage
+
 if TYPE_CHECKING:
     from ..engine import Engine
     from ..memory import BlockAllocator, BlockTable
@@ -102,20 +104,16 @@ def table_view(tables: Mapping[str, "BlockTable"]) -> dict[str, dict]:
 
 
 def status_view(engine: "Engine") -> dict:
-    """The numbers of the widgets' status line, read from the engine now."""
-    s, a = engine.scheduler, engine.scheduler.allocator
-    return {
-        "step": engine.num_steps,
-        "time_s": engine.now,
-        "running": s.num_running,
-        "waiting": s.num_waiting,
-        "free_blocks": a.num_free_blocks,
-        "cached_free_blocks": a.num_cached_free_blocks,
-        "used_blocks": a.num_used_blocks,
-        "num_blocks": a.num_blocks,
-        "kv_utilization": a.kv_utilization,
-        "preemptions": s.num_preemptions,
-    }
+    """The numbers of the widgets' status line, read from the engine now, under the
+    names ``Engine.stats()`` gives them (``docs/stats.md``)."""
+    stats = engine.stats()
+    view = {key: stats[key] for key in _STATUS_KEYS}
+    view["time_s"] = engine.now
+    return view
+
+
+_STATUS_KEYS = ("num_steps", "num_running", "num_waiting", "num_free_blocks", "num_cached_free_blocks",
+                "num_used_blocks", "num_total_blocks", "kv_cache_usage", "held_slot_fill", "num_preemptions")
 
 
 def snapshot(engine: "Engine", with_tokens: bool = True) -> dict:
@@ -137,25 +135,26 @@ def allocator_snapshot(allocator: "BlockAllocator", tables: Mapping[str, "BlockT
     return {
         "pool": pool_view(allocator, tables),
         "tables": table_view(tables),
-        "status": {"step": step, "free_blocks": allocator.num_free_blocks,
-                   "cached_free_blocks": allocator.num_cached_free_blocks,
-                   "used_blocks": allocator.num_used_blocks, "num_blocks": allocator.num_blocks,
-                   "kv_utilization": allocator.kv_utilization},
+        "status": {"num_steps": step, "num_free_blocks": allocator.num_free_blocks,
+                   "num_cached_free_blocks": allocator.num_cached_free_blocks,
+                   "num_used_blocks": allocator.num_used_blocks, "num_total_blocks": allocator.num_blocks,
+                   "kv_cache_usage": kv_cache_usage(allocator), "held_slot_fill": held_slot_fill(allocator)},
     }
 
 
 def status_line(status: Mapping) -> str:
-    """``"step 5 · running 3 · waiting 1 · free 12/32 blocks (2 cached) · KV utilization
-    87% · preemptions 0"``: the parts ``status`` has."""
-    parts = [f"step {status['step']}"]
-    for key in ("running", "waiting"):
+    """``"step 5 · running 3 · waiting 1 · free 12/32 blocks (2 cached) · KV cache usage 63%
+    · held slots filled 87% · preemptions 0"``: the parts ``status`` has."""
+    parts = [f"step {status['num_steps']}"]
+    for key in ("num_running", "num_waiting"):
         if key in status:
-            parts.append(f"{key} {status[key]}")
-    cached = status.get("cached_free_blocks", 0)
-    parts.append(f"free {status['free_blocks']}/{status['num_blocks']} blocks"
+            parts.append(f"{key[4:]} {status[key]}")
+    cached = status.get("num_cached_free_blocks", 0)
+    parts.append(f"free {status['num_free_blocks']}/{status['num_total_blocks']} blocks"
                  + (f" ({cached} cached)" if cached else ""))
-    if status.get("used_blocks", 1):      # with nothing held, utilization is undefined
-        parts.append(f"KV utilization {status['kv_utilization']:.0%}")
-    if "preemptions" in status:
-        parts.append(f"preemptions {status['preemptions']}")
+    parts.append(f"KV cache usage {status['kv_cache_usage']:.0%}")
+    if status.get("num_used_blocks", 1):      # with nothing held, the fill is undefined
+        parts.append(f"held slots filled {status['held_slot_fill']:.0%}")
+    if "num_preemptions" in status:
+        parts.append(f"preemptions {status['num_preemptions']}")
     return " · ".join(parts)

@@ -148,7 +148,7 @@ class Recording:
 def _frame_label(snap: dict, i: int) -> str:
     """The slider label of a snapshot: its iteration, starred when it was taken after an
     action between iterations (a fork, an abort)."""
-    return f"{snap['status'].get('step', i)}{'*' if snap.get('event') else ''}"
+    return f"{snap['status'].get('num_steps', i)}{'*' if snap.get('event') else ''}"
 
 
 def _evenly(n: int, k: int) -> list[int]:

@@ -4,7 +4,7 @@ Each request is a row; each iteration colours it by what the request did in it:
 **prefill** (its prompt, or the recompute of a preempted sequence), **decode** (one new
 token per sequence), **waiting** (arrived, not in the batch), **preempted** (thrown out of
 the batch to free memory, waiting to be recomputed). Under it, the share of the KV pool
-held and the KV utilization (share of held slots holding a token), per iteration.
+held (KV cache usage) and the share of held slots holding a token, per iteration.
 
 Side by side on the same requests, static batching (a batch runs until its longest member
 ends; nobody joins meanwhile) and continuous batching (requests join and leave every
@@ -37,8 +37,8 @@ def timeline_data(records: Sequence["StepRecord"], requests: Iterable["Request"]
     Returns ``{"requests": ids (arrival order), "steps", "start_s", "duration_s",
     "cells": {id: [state or None per record]}, "tokens": {id: {"prefill": n, "decode": n}},
     "segments": [runs of one state: {"request", "state", "first", "last", "start_s",
-    "end_s", "start_step", "end_step"}], "kv": {"used_blocks", "num_blocks",
-    "used_fraction", "utilization"}}``.
+    "end_s", "start_step", "end_step"}], "kv": {"num_used_blocks", "num_total_blocks",
+    "kv_cache_usage", "held_slot_fill"}}``.
 
     A request counts as *waiting* from its arrival (needs ``requests``; without them, from
     its first appearance in the records) until it runs, and as *preempted* from a
@@ -48,7 +48,7 @@ def timeline_data(records: Sequence["StepRecord"], requests: Iterable["Request"]
     records = list(records)
     reqs = list(requests) if requests is not None else []
     arrival = {r.request_id: r.arrival_time for r in reqs}
-    finish = {r.request_id: r.finish_time for r in reqs if r.finish_time is not None}
+    finish = {r.request_id: r.finished_time for r in reqs if r.finished_time is not None}
     order = sorted(arrival, key=lambda rid: arrival[rid])
     first_seen: dict[str, int] = {}
     for k, rec in enumerate(records):
@@ -102,9 +102,9 @@ def timeline_data(records: Sequence["StepRecord"], requests: Iterable["Request"]
     return {
         "requests": order, "steps": steps, "start_s": start, "duration_s": duration,
         "cells": cells, "tokens": tokens, "segments": segments,
-        "kv": {"used_blocks": used, "num_blocks": total,
-               "used_fraction": [u / t if t else 0.0 for u, t in zip(used, total)],
-               "utilization": [rec.kv_utilization if u else 0.0 for rec, u in zip(records, used)]},
+        "kv": {"num_used_blocks": used, "num_total_blocks": total,
+               "kv_cache_usage": [rec.kv_cache_usage for rec in records],
+               "held_slot_fill": [rec.held_slot_fill for rec in records]},
     }
 
 
@@ -146,7 +146,7 @@ def timeline_figure(runs: "SimResult | Mapping[str, SimResult | tuple]", x: str 
         t = POLICY_TITLES.get(name, name)
         if m:
             t += (f"<br><sup>done in {m['makespan_s']:.2f} s · {m['output_tok_per_s']:.0f} tok/s · "
-                  f"mean KV utilization {m['kv_utilization_mean']:.0%}"
+                  f"mean KV cache usage {m['kv_cache_usage_mean']:.0%}"
                   + (f" · {m['num_preemptions']} preemptions" if m.get("num_preemptions") else "")
                   + "</sup>")
         titles.append(t)
@@ -177,17 +177,17 @@ def timeline_figure(runs: "SimResult | Mapping[str, SimResult | tuple]", x: str 
         xs = d["start_s"] if x == "time" else d["steps"]
         kv = d["kv"]
         fig.add_trace(go.Scatter(
-            x=xs, y=[100 * f for f in kv["used_fraction"]], name="KV blocks held (% of pool)",
+            x=xs, y=[100 * f for f in kv["kv_cache_usage"]], name="KV cache usage (% of blocks held)",
             legendgroup="held", showlegend=col == 1, mode="lines", line={"shape": "hv", "color": "#59a14f"},
             fill="tozeroy", fillcolor="rgba(89,161,79,0.25)",
-            customdata=list(zip(kv["used_blocks"], kv["num_blocks"])),
+            customdata=list(zip(kv["num_used_blocks"], kv["num_total_blocks"])),
             hovertemplate="%{customdata[0]}/%{customdata[1]} blocks held<extra></extra>"),
             row=2, col=col)
         fig.add_trace(go.Scatter(
-            x=xs, y=[100 * u for u in kv["utilization"]], name="KV utilization (% of held slots)",
+            x=xs, y=[100 * u for u in kv["held_slot_fill"]], name="held slots filled (%)",
             legendgroup="util", showlegend=col == 1, mode="lines",
             line={"shape": "hv", "color": "#222222", "width": 1.3, "dash": "dot"},
-            hovertemplate="utilization %{y:.0f}%<extra></extra>"), row=2, col=col)
+            hovertemplate="held slots filled %{y:.0f}%<extra></extra>"), row=2, col=col)
 
     xtitle = "time (s)" if x == "time" else "iteration"
     fig.update_layout(

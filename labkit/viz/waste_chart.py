@@ -17,6 +17,8 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from labkit.utils import cdiv
+
 from . import _deps
 from .colors import WASTE_COLORS
 
@@ -141,8 +143,8 @@ def compare_waste(seqs: Sequence["SeqUsage"], block_size: int = 16, *, total_slo
     seqs = list(seqs)
     if total_slots is None:
         largest = max((sum(reservation(s, r) for s in seqs) for r in reserves), default=0)
-        paged = sum(-(-s.num_tokens // block_size) * block_size for s in seqs)
-        total_slots = -(-max(2 * largest, paged, 1) // block_size) * block_size   # room for churn
+        paged = sum(cdiv(s.num_tokens, block_size) * block_size for s in seqs)
+        total_slots = cdiv(max(2 * largest, paged, 1), block_size) * block_size   # room for churn
     out: dict[str, Waste] = {}
     for r in reserves:
         name = RESERVE_NAMES.get(r, r)

@@ -1,12 +1,17 @@
-"""Micro-benchmarks of one engine iteration: a batch of decodes, and a long prefill.
+"""Benchmark one engine iteration: ``python -m labkit.bench step``.
 
-    python -m labkit.model.bench                      # smollm2-135m, batch 64 at context ~400, 512-token prefill
-    python -m labkit.model.bench --model tiny-llama --batch 8 --context 100
+Times the model runner on two steps, a batch of decodes and one long prefill:
+
+    python -m labkit.bench step                      # smollm2-135m, batch 64 at context 400, 512-token prefill
+    python -m labkit.bench step --model tiny-llama --batch 8 --context 100
 
 Reports the median wall time of each step over a few repetitions (after a warm-up), with
 the share spent in attention (all three paged ops) measured separately, and the process's
-CPU time. On a shared machine run it with ``OMP_NUM_THREADS=1``: one thread's CPU time does
-not suffer from other processes, while OpenMP threads that spin-wait for a busy core do.
+CPU time. Where ``kernels`` times one attention call in isolation and ``serve`` a whole
+workload, this says what a step costs and how much of it attention is.
+
+On a shared machine run it with ``OMP_NUM_THREADS=1``: one thread's CPU time does not
+suffer from other processes, while OpenMP threads that spin-wait for a busy core do.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import time
 
 import torch
 
-from .runner import ModelRunner, SeqChunk
+from ..model.runner import ModelRunner, SeqChunk
+from ..utils import cdiv
 
 
 class _TimedOps:
@@ -52,14 +58,14 @@ def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefi
     rng = random.Random(seed)
     bs = runner.block_size
     vocab = runner.vocab_size
-    per_seq = -(-context // bs)
-    if batch * per_seq > runner.num_blocks or -(-prefill // bs) > runner.num_blocks:
+    per_seq = cdiv(context, bs)
+    if batch * per_seq > runner.num_blocks or cdiv(prefill, bs) > runner.num_blocks:
         raise ValueError(f"the KV cache ({runner.num_blocks} blocks) is too small for this benchmark")
     blocks = list(range(runner.num_blocks))
     rng.shuffle(blocks)
     decode = [SeqChunk([rng.randrange(vocab)], context - 1, blocks[i * per_seq:(i + 1) * per_seq])
               for i in range(batch)]
-    pre = [SeqChunk([rng.randrange(vocab) for _ in range(prefill)], 0, blocks[: -(-prefill // bs)])]
+    pre = [SeqChunk([rng.randrange(vocab) for _ in range(prefill)], 0, blocks[: cdiv(prefill, bs)])]
     timed = _TimedOps(runner.ops)
     ops, runner.ops = runner.ops, timed
     try:
@@ -89,8 +95,8 @@ def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefi
     return out
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m labkit.model.bench", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m labkit.bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=400)
@@ -101,12 +107,13 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype)
-    need = max(a.batch * -(-a.context // a.block_size), -(-a.prefill // a.block_size)) + 1
+    need = max(a.batch * cdiv(a.context, a.block_size), cdiv(a.prefill, a.block_size)) + 1
     runner = ModelRunner(a.model, block_size=a.block_size, num_blocks=need, attention_backend=a.backend,
                          dtype=dtype)
     r = step_timings(runner, a.batch, a.context, a.prefill, a.repeats)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

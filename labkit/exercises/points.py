@@ -1,0 +1,60 @@
+"""How many points each exercise is worth: declared once, here, beside the graders.
+
+Keys are the exercise ids of the notebooks' check cells (``# CHECK exercise 2.1`` -> "2.1");
+``python -m labkit.grade`` adds them up per notebook, and the test suite checks that every
+check cell in ``solutions/`` has an entry here and every entry a check cell.
+
+The weights follow the work an exercise asks for: one point for a single piece of arithmetic,
+two for a multi-part answer or a measurement, three for code that must be right in general
+(a test that catches a bug, a kernel step, a plan). Change them freely: grading reads them
+at run time.
+"""
+
+from __future__ import annotations
+
+POINTS: dict[str, int] = {
+    # 00 setup and tour
+    "0.1": 1,   # KV capacity and bytes per token of the loaded engine
+    "0.2": 1,   # iterations of a 4-request batch, predicted and measured
+    # 01 the KV cache
+    "1.1": 1,   # Llama-3-70B bytes per token
+    "1.2": 1,   # one 4096-token request, and how many fit in 45 GB
+    "1.3": 1,   # reservation waste
+    # 02 paging
+    "2.1": 1,   # internal fragmentation of one request
+    "2.2": 3,   # bug hunt: a test that generated tokens get slots
+    "2.3": 3,   # bug hunt: a test that allocation does not slow with the pool size
+    "2.4": 3,   # bug hunt: a test that shared blocks survive a free
+    # 03 sharing
+    "3.1": 2,   # copy-on-write copies of an n=4 fork
+    "3.2": 1,   # prefix-cache reuse
+    "3.3": 2,   # 500 sessions sharing a prompt, and why they may
+    # 04 continuous batching
+    "4.1": 1,   # one static batch: iterations and busy share
+    "4.2": 2,   # the pool size from which no larger pool preempts
+    "4.3": 2,   # speedup under the CPU and GPU cost models
+    # 05 the Triton kernel
+    "5.1": 2,   # slot mapping
+    "5.2": 3,   # the online-softmax step
+    "5.3": 3,   # one sequence's paged decode
+    # 06 end to end
+    "6.1": 1,   # measured speedup over static batching
+    "6.2": 2,   # prefix-cache savings, predicted then measured
+    # 07 disaggregation
+    "7.1": 1,   # the roofline's ridge point
+    "7.2": 2,   # prefill tokens that double a decode step
+    "7.3": 2,   # chunked-prefill budget
+    "7.4": 3,   # prefill and decode instances for a latency target
+    # 08 online serving
+    "8.1": 1,   # median time to first token
+    "8.2": 2,   # which requests joined a running batch
+}
+
+
+def points(exercise: str) -> int:
+    """The weight of ``exercise`` ("2.1"); a clear error for an id nobody declared."""
+    try:
+        return POINTS[exercise]
+    except KeyError:
+        raise KeyError(f"exercise {exercise!r} has no points in labkit/exercises/points.py; "
+                       f"add it there (declared: {', '.join(POINTS)})") from None

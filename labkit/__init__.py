@@ -11,11 +11,11 @@ batching), ``labkit.model`` (a Llama on paged KV), ``labkit.engine`` (the loop),
 ``labkit.llm`` and ``labkit.server`` (the APIs).
 """
 
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name):

@@ -27,10 +27,18 @@ from .scheduler import Scheduler, SchedulerOutput, StepRecord, held_slot_fill, k
 
 @dataclass(slots=True)
 class ExecuteResult:
-    """What an executor returns: tokens sampled per scheduled sequence, and the time taken."""
+    """What an executor returns: tokens sampled per scheduled sequence, and the time taken.
+
+    Optional, for requests that ask (None otherwise, and from executors without a model):
+    ``logprobs[i]`` holds one ``{token: Logprob}`` per token in ``sampled[i]``;
+    ``prompt_logprobs[i]`` is ``(first, entries)``: the entries of prompt tokens
+    ``first, first + 1, ..`` that ``scheduled[i]``'s chunk computed.
+    """
 
     sampled: list[list[int]]
     duration_s: float
+    logprobs: list[list[dict] | None] | None = None
+    prompt_logprobs: list[tuple[int, list[dict]] | None] | None = None
 
 
 class Executor(Protocol):
@@ -93,6 +101,9 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: token ids out of range [0, {vocab}): {bad[:5]}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"SamplingParams.logit_bias: token {max(params.logit_bias)} is outside the "
+                             f"vocabulary [0, {vocab})")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params,
@@ -138,6 +149,8 @@ class Engine:
         else:
             finished = self.scheduler.update(plan, result.sampled, end, self._detokenize)
             self._collect_deltas(plan)
+        if result.logprobs is not None or result.prompt_logprobs is not None:
+            _record_logprobs(plan, result)
         t3 = time.perf_counter()
         self.schedule_s += (t1 - t0) + (t3 - t2)
         self.busy_s += end - start
@@ -234,6 +247,27 @@ class Engine:
             "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
             "num_steps": self.num_steps,
         }
+
+
+def _record_logprobs(plan: SchedulerOutput, result: ExecuteResult) -> None:
+    """Append the iteration's logprobs to the sequences that gained those tokens in
+    ``update`` (and the prompt's to its request). A sequence that did not gain its token
+    (aborted while the batch ran) gets none, so ``logprobs`` always matches the output."""
+    for k, item in enumerate(plan.scheduled):
+        request = item.seq.request
+        if result.prompt_logprobs is not None and result.prompt_logprobs[k] is not None:
+            first, entries = result.prompt_logprobs[k]
+            have = request.prompt_logprobs
+            if first <= len(have):
+                have.extend(entries[len(have) - first:])
+        if result.logprobs is None or result.logprobs[k] is None:
+            continue
+        for index, entry in zip(item.sample_indices, result.logprobs[k]):
+            seq = request.seqs[index] if index < len(request.seqs) else None
+            if seq is None or seq.logprobs is None or len(seq.logprobs) != seq.num_output_tokens - 1:
+                continue
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[seq.token_ids[-1]].logprob
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

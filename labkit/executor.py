@@ -6,6 +6,11 @@ the sequence's physical blocks, prefill or decode as the scheduler decided), let
 and run one forward over the whole mixed batch, and samples from the logits of the
 sequences whose chunk ends their known tokens (``n`` samples at a fork).
 
+Requests that ask for more pay for it, and only they: ``logit_bias`` and the penalties
+process their rows of logits before sampling; ``logprobs`` reads the raw logits at the
+sampled tokens; ``prompt_logprobs`` makes the runner return the logits of every token of
+their prompt chunks (``SeqChunk.all_logits``). See docs/sampling.md.
+
 Seeded sampling is independent of batching and of preemption: each sampled token draws
 from a generator seeded by (request seed, sample index, position), so the same request
 gets the same tokens whatever else runs beside it, and a recomputed sequence continues
@@ -20,7 +25,7 @@ import torch
 
 from .engine import ExecuteResult
 from .model.runner import ModelRunner, SeqChunk
-from .model.sampler import SamplingRow, make_generator, sample
+from .model.sampler import PenaltyRow, SamplingRow, apply_penalties, logprob_entries, make_generator, sample
 from .scheduler import SchedulerOutput
 
 
@@ -40,14 +45,30 @@ class ModelExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ExecuteResult:
         t0 = time.perf_counter()
+        wants_prompt = [_prompt_targets(item) for item in plan.scheduled]
         chunks = [SeqChunk(item.token_ids, item.num_computed_tokens, item.seq.block_table.block_ids,
-                           item.num_samples > 0, item.is_prefill)
-                  for item in plan.scheduled]
+                           item.num_samples > 0, item.is_prefill, all_logits=targets is not None)
+                  for item, targets in zip(plan.scheduled, wants_prompt)]
         logits = self.runner.execute(chunks, plan.copies)
         rows: list[SamplingRow] = []
         row_of: list[int] = []            # which logits row each sampling row reads
-        r = 0
-        for item in plan.scheduled:
+        penalized: list[int] = []         # sampling rows with logit processing
+        prompt_lp: list[tuple[int, list[dict]] | None] | None = None    # built only when asked
+        end = 0                           # logits rows used so far
+        for k, item in enumerate(plan.scheduled):
+            targets = wants_prompt[k]
+            start = end
+            end += len(item.token_ids) if targets is not None else int(item.num_samples > 0)
+            if targets is not None:       # row start + j predicts token num_computed + j + 1
+                first, last = targets
+                base = start - item.num_computed_tokens - 1
+                prompt = item.seq.request.prompt_token_ids
+                top = item.seq.request.params.prompt_logprobs
+                entries = logprob_entries(logits[base + first:base + last + 1], prompt[first:last + 1],
+                                          [top] * (last + 1 - first), self._decode)
+                if prompt_lp is None:
+                    prompt_lp = [None] * len(plan.scheduled)
+                prompt_lp[k] = (first, entries)
             if item.num_samples == 0:
                 continue
             params = item.seq.request.params
@@ -55,15 +76,73 @@ class ModelExecutor:
                 gen = None
                 if params.seed is not None and not params.greedy:
                     gen = make_generator(_row_seed(params.seed, index, item.sample_position))
-                rows.append(SamplingRow(params.temperature, params.top_p, params.top_k, gen))
-                row_of.append(r)
-            r += 1
+                if params.needs_penalties:
+                    penalized.append(len(rows))
+                rows.append(SamplingRow(params.temperature, params.top_p, params.top_k, gen, params.min_p))
+                row_of.append(end - 1)
         sampled_flat: list[int] = []
+        table = None
         if rows:
-            table = logits if len(row_of) == logits.shape[0] else logits[torch.tensor(row_of)]
-            sampled_flat = sample(table, rows)
+            identity = len(row_of) == logits.shape[0] and not any(t is not None for t in wants_prompt)
+            table = logits if identity else logits[torch.tensor(row_of, device=logits.device)]
+            processed = table
+            if penalized:
+                processed = table.clone()
+                processed[penalized] = apply_penalties(table[penalized], self._penalty_rows(plan, penalized))
+            sampled_flat = sample(processed, rows)
         sampled, k = [], 0
         for item in plan.scheduled:
             sampled.append(sampled_flat[k:k + item.num_samples])
             k += item.num_samples
-        return ExecuteResult(sampled, time.perf_counter() - t0)
+        logprobs = None                   # built only when a sampled request asks
+        if any(item.num_samples and item.seq.request.params.logprobs is not None for item in plan.scheduled):
+            logprobs = self._sample_logprobs(plan, table, sampled_flat)
+        return ExecuteResult(sampled, time.perf_counter() - t0, logprobs, prompt_lp)
+
+    def _penalty_rows(self, plan: SchedulerOutput, wanted: list[int]) -> list[PenaltyRow]:
+        """The ``PenaltyRow`` of each sampling row in ``wanted`` (sampling-row numbers)."""
+        items = [item for item in plan.scheduled for _ in item.sample_indices]
+        out = []
+        for r in wanted:
+            seq, params = items[r].seq, items[r].seq.request.params
+            out.append(PenaltyRow(seq.token_ids, seq.num_prompt_tokens, params.repetition_penalty,
+                                  params.presence_penalty, params.frequency_penalty, params.logit_bias))
+        return out
+
+    def _sample_logprobs(self, plan: SchedulerOutput, table: torch.Tensor,
+                         sampled_flat: list[int]) -> list[list[dict] | None]:
+        """Per scheduled item, one ``{token: Logprob}`` per sample when its request asks for
+        logprobs (else None), from the raw logits ``table`` (one row per sampled token)."""
+        logprobs: list[list[dict] | None] = [None] * len(plan.scheduled)
+        rows, tokens, tops, owners, r = [], [], [], [], 0
+        for k, item in enumerate(plan.scheduled):
+            top = item.seq.request.params.logprobs
+            if top is not None and item.num_samples:
+                rows.extend(range(r, r + item.num_samples))
+                tokens.extend(sampled_flat[r:r + item.num_samples])
+                tops.extend([top] * item.num_samples)
+                owners.append((k, item.num_samples))
+            r += item.num_samples
+        entries = logprob_entries(table[rows], tokens, tops, self._decode)
+        i = 0
+        for k, count in owners:
+            logprobs[k] = entries[i:i + count]
+            i += count
+        return logprobs
+
+    def _decode(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+
+def _prompt_targets(item) -> tuple[int, int] | None:
+    """The prompt tokens (first, last index) whose logprobs this chunk yields, or None.
+
+    The logits at position p give the logprob of token p + 1. Entries fill in prompt
+    order, so only tokens past those already recorded (``request.prompt_logprobs``) count:
+    a prompt recomputed after a preemption is not reported twice."""
+    request = item.seq.request
+    if not item.is_prefill or not request.needs_prompt_logits:
+        return None
+    first = max(len(request.prompt_logprobs), item.num_computed_tokens + 1)
+    last = min(item.sample_position, len(request.prompt_token_ids) - 1)
+    return (first, last) if first <= last else None

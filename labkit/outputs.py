@@ -95,13 +95,15 @@ def request_output(request: "Request", texts: list[str], delta: list[str] | None
     return RequestOutput(
         request_id=request.request_id, prompt=request.prompt,
         prompt_token_ids=list(request.prompt_token_ids),
-        outputs=[CompletionOutput(s.index, text, list(s.output_token_ids), s.finish_reason)
+        outputs=[CompletionOutput(s.index, text, list(s.output_token_ids), s.finish_reason,
+                                  None if s.logprobs is None else list(s.logprobs), s.cumulative_logprob)
                  for s, text in zip(seqs, texts, strict=True)],
         finished=request.finished,
         metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
                                request.first_token_time, request.finished_time),
         num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
-        delta=list(delta) if delta is not None else [])
+        delta=list(delta) if delta is not None else [],
+        prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs))
 
 
 def error_output(request_id: str, prompt: str | None, prompt_token_ids: list[int], error: str,

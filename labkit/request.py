@@ -34,7 +34,8 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "block_table", "status", "finish_reason",
-                 "num_preemptions", "num_cached_tokens", "num_external_tokens")
+                 "num_preemptions", "num_cached_tokens", "num_external_tokens",
+                 "logprobs", "cumulative_logprob")
 
     def __init__(self, request: "Request", token_ids: list[int], index: int = 0):
         self.seq_id = next(_seq_ids)
@@ -52,6 +53,10 @@ class Sequence:
         # prefill instance's transfer, disaggregated serving). Admission takes them as
         # computed, once: a later preemption drops that KV like any other.
         self.num_external_tokens = 0
+        # One {token id: Logprob} per generated token, when SamplingParams.logprobs is set
+        # (the engine appends them as tokens arrive; a fork copies its parent's).
+        self.logprobs: list | None = [] if request.params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if self.logprobs is not None else None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -84,7 +89,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_time", "seqs",
                  "first_scheduled_time", "first_token_time", "finished_time", "forked",
-                 "prompt", "error")
+                 "prompt", "error", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, prompt: str | None = None):
@@ -98,7 +103,16 @@ class Request:
         self.finished_time: float | None = None
         self.forked = params.n == 1              # n > 1 forks once, after the prompt's prefill
         self.error: str | None = None
+        # With SamplingParams.prompt_logprobs: one entry per prompt token computed so far
+        # (entry 0, the first token, has none: None). It fills in prompt order, chunk by chunk.
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.seqs = [Sequence(self, list(self.prompt_token_ids))]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether the prompt's logits are still wanted (prompt_logprobs not complete): such a
+        request must compute its prompt, not read it from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def width(self) -> int:

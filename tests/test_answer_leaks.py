@@ -31,10 +31,10 @@ import nbformat
 import pytest
 
 import labkit.exercises
+from labkit.notebooks import exercise_id
 
 ROOT = Path(__file__).resolve().parent.parent
 STUDENT_NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-CHECK = re.compile(r"^\s*#\s*CHECK\s+exercise\s+(\d+\.\d+)\b")
 
 
 # ---- the scanner ------------------------------------------------------------------------------
@@ -75,10 +75,9 @@ def check_cells(nb) -> dict[str, int]:
     """Exercise id -> index of its ``# CHECK exercise X.Y`` cell."""
     found = {}
     for index, cell in enumerate(nb.cells):
-        if cell.get("cell_type") == "code":
-            m = CHECK.match(_source(cell).lstrip("\n").splitlines()[0] if _source(cell).strip() else "")
-            if m:
-                found.setdefault(m.group(1), index)
+        exercise = exercise_id(cell)
+        if exercise is not None:
+            found.setdefault(exercise, index)
     return found
 
 

@@ -105,7 +105,7 @@ def test_transferred_kv_is_admitted_as_computed_and_dropped_on_preemption():
     sched.add_request(request)
     plan = sched.schedule()
     (item,) = plan.scheduled
-    assert (item.num_new_tokens, item.is_prefill, item.start) == (1, False, 10)   # a plain decode
+    assert (item.num_new_tokens, item.is_prefill, item.num_computed_tokens) == (1, False, 10)   # a plain decode
     assert seq.block_table.num_tokens == 11 and alloc.num_used_blocks == 3
     assert seq.num_external_tokens == 0 and sched.num_cached_prompt_tokens == 0
     sched.update(plan, [[5]], 0.0)

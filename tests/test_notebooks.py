@@ -37,8 +37,9 @@ pytest.importorskip("nbval")
 from test_answer_leaks import declared_forms, leaks  # noqa: E402
 
 from labkit.notebooks import (CHECK_PREFIX, DEFAULT_HINT, NotebookError, Paths, check,  # noqa: E402
-                              dumps, generate, is_check_cell, is_solution_cell, is_stub_cell, read,
-                              strip, stored_state, student_version, stub_source, verify_submission)
+                              dumps, generate, is_check_cell, is_solution_cell, is_stub_cell,
+                              needs_model, read, strip, stored_state, student_version, stub_source,
+                              verify_submission)
 
 pytestmark = pytest.mark.notebook
 
@@ -52,7 +53,6 @@ CELL_TIMEOUT_S = 600
 # that makes a decode step 10-20x slower. Kernels started from here inherit this.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-NEEDS_MODEL = re.compile(r"\bLLM\(|fetch_default_model|load_model\(|default_workload\(")
 
 
 def _model_cached() -> bool:
@@ -65,7 +65,7 @@ def _model_cached() -> bool:
 
 def _skip_without_model(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
-    if NEEDS_MODEL.search(text) and not _model_cached():
+    if needs_model(text) and not _model_cached():
         pytest.skip(f"{path.name} needs the default model, which is not cached here (make model)")
 
 

@@ -40,6 +40,7 @@ POINTS: dict[str, int] = {
     # 06 end to end
     "6.1": 1,   # measured speedup over static batching
     "6.2": 2,   # prefix-cache savings, predicted then measured
+    "6.3": 2,   # what min-p keeps at temperature 0.5, from the engine's logprobs
     # 07 disaggregation
     "7.1": 1,   # the roofline's ridge point
     "7.2": 2,   # prefill tokens that double a decode step

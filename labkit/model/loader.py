@@ -408,7 +408,7 @@ def byte_tokenizer(vocab_size: int = 384):
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = sorted(ByteLevel.alphabet(), key=lambda ch: _BYTE_OF_CHAR[ch])
+    alphabet = sorted(ByteLevel.alphabet(), key=lambda ch: BYTE_OF_CHAR[ch])
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     specials = _TINY_SPECIALS + [f"<extra_{i}>" for i in range(vocab_size - 256 - len(_TINY_SPECIALS))]
     for s in specials:
@@ -436,7 +436,8 @@ def _bytes_to_unicode() -> dict[int, str]:  # GPT-2's byte <-> printable charact
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+# GPT-2 byte-level BPE writes each byte as a printable character; this maps it back to the byte.
+BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def random_state_dict(config, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:

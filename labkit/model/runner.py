@@ -45,6 +45,9 @@ class SeqChunk:
       (one query). The engine passes the scheduler's ``ScheduledSeq.is_prefill``; a chunk
       built by hand that leaves it None is a prefill when it has more than one token.
       Prefill chunks must come before decodes, as the scheduler orders them.
+    all_logits: return logits at every token of the chunk, not only its last (prompt
+      logprobs need them); its rows then come in token order, the last one being the
+      sampling row when ``compute_logits``.
     """
 
     token_ids: list[int]
@@ -52,6 +55,7 @@ class SeqChunk:
     block_ids: list[int]
     compute_logits: bool = True
     is_prefill: bool | None = None
+    all_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.is_prefill is None:
@@ -74,7 +78,8 @@ class PackedBatch:
     blocks_needed: np.ndarray      # [num_chunks] blocks covering each context
     context_lens: np.ndarray       # [num_chunks] tokens in the cache after this iteration
     query_start_loc: np.ndarray    # [num_chunks + 1]
-    logits_indices: np.ndarray     # [chunks wanting logits] their last token, in chunk order
+    logits_indices: np.ndarray     # tokens whose logits are returned, in chunk order: each chunk's
+                                   # last token if it wants logits, every token if ``all_logits``
     num_prefills: int
 
 
@@ -91,6 +96,12 @@ def pack_chunks(chunks: list[SeqChunk], block_size: int, num_blocks: int, max_mo
     positions, slot_mapping = _token_slots(block_tables, context_lens - lens, lens, query_start_loc, block_size)
     wanted = np.fromiter((c.compute_logits for c in chunks), dtype=bool, count=len(chunks))
     logits_indices = query_start_loc[1:][wanted] - 1
+    if any(c.all_logits for c in chunks):   # prompt logprobs: every token of those chunks
+        every = np.fromiter((c.all_logits for c in chunks), dtype=bool, count=len(chunks))
+        counts = np.where(every, lens, wanted.astype(np.int64))
+        ends = np.repeat(query_start_loc[1:], counts)
+        logits_indices = ends - (np.cumsum(counts)[np.repeat(np.arange(len(chunks)), counts)]
+                                 - np.arange(int(counts.sum())))
     return PackedBatch(input_ids, positions, slot_mapping, block_tables, blocks_needed, context_lens,
                        query_start_loc, logits_indices, num_prefills)
 

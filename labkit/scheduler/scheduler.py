@@ -272,8 +272,10 @@ class Scheduler:
         tokens = seq.token_ids
         table = BlockTable(self.allocator)
         external = seq.num_external_tokens
-        # The last token is always computed: its logits give the next token.
-        hits = [] if external else table.peek_cached_prefix(tokens, len(tokens) - 1)
+        # The last token is always computed: its logits give the next token. A request that
+        # wants its prompt's logprobs computes every prompt position (cached KV has no logits).
+        limit = 0 if seq.request.needs_prompt_logits else len(tokens) - 1
+        hits = [] if external else table.peek_cached_prefix(tokens, limit)
         num_cached = external or len(hits) * self.block_size
         remaining = len(tokens) - num_cached
         num_new = min(remaining, budget)
@@ -291,7 +293,7 @@ class Scheduler:
             table.append_tokens(tokens[:external], computed=False)
             seq.num_computed_tokens, seq.num_cached_tokens, seq.num_external_tokens = external, 0, 0
         else:
-            seq.num_computed_tokens = table.reuse_cached_prefix(tokens, len(tokens) - 1)
+            seq.num_computed_tokens = table.reuse_cached_prefix(tokens, limit)
             seq.num_cached_tokens = seq.num_computed_tokens
         seq.block_table = table
         return num_new, self._grow(seq, num_new)
@@ -358,6 +360,9 @@ class Scheduler:
             child.block_table = parent.block_table.fork()
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            if parent.logprobs is not None:
+                child.logprobs = list(parent.logprobs)
+                child.cumulative_logprob = parent.cumulative_logprob
             child.status = Status.RUNNING
             parent.request.seqs.append(child)
             children.append(child)

@@ -7,7 +7,10 @@
     GET  /metrics                 Prometheus text: batch, KV blocks, tokens, requests
 
 ``"stream": true`` answers with server-sent events in OpenAI's chunk format, one chunk per
-engine iteration that produced text, then ``data: [DONE]``. A client that goes away has
+engine iteration that produced text, then ``data: [DONE]``. Log-probabilities (chat
+``logprobs``/``top_logprobs``, completions ``logprobs``) ride on the chunk that carries
+their tokens; completions' ``echo`` sends the prompt (and, with ``logprobs``, its tokens'
+logprobs, the first null) as each choice's first chunk. A client that goes away has
 its request aborted and its KV blocks freed at once: the stream notices the disconnect
 (Starlette cancels it, and a watcher polls ``request.is_disconnected()``) and aborts.
 
@@ -42,8 +45,9 @@ from .auth import KeyRing
 from .fairness import AdmissionGate, OverCapError, Ticket
 from .limits import STALLED_SCOPE_KEY, ConnectionStats, Limits, check_length, read_body
 from .metrics import render_client_metrics, render_metrics
-from .protocol import (APIError, Parsed, bad_request, error_body, new_id, now, parse_chat,
-                       parse_completion, parse_json, sse, usage)
+from .protocol import (APIError, Parsed, TokenNames, bad_request, chat_logprobs, completion_logprobs,
+                       error_body, new_id, now, parse_chat, parse_completion, parse_json, sse, usage,
+                       vllm_prompt_logprobs)
 
 DISCONNECT_POLL_S = 0.25
 
@@ -66,6 +70,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
     # a time; without one the gate only counts, and the engine's FCFS decides alone.
     gate = AdmissionGate(cap, engine.engine.scheduler.max_num_seqs if cap is not None else None)
     auth_failures = {"missing": 0, "invalid": 0}
+    names = TokenNames(engine.tokenizer)             # token texts and bytes for logprobs
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -183,6 +188,10 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
             raise APIError(404, f"the model {parsed.model!r} does not exist; this server serves {name!r}",
                            "invalid_request_error", "model", "model_not_found")
         _cap_max_tokens(parsed)
+        bias = parsed.params.logit_bias or {}
+        if any(t >= engine.vocab_size for t in bias):
+            raise bad_request(f"'logit_bias' names token {max(bias)}, but the vocabulary has "
+                              f"{engine.vocab_size} tokens (ids 0..{engine.vocab_size - 1})", param="logit_bias")
         rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
         ticket = await _admit(request, len(parsed.prompts) * parsed.params.n)
         try:
@@ -316,46 +325,87 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
                 choice = {"index": i * n + o.index}
+                logprobs = None
                 if chat:
                     choice["message"] = {"role": "assistant", "content": o.text}
+                    if parsed.logprobs is not None:
+                        logprobs = chat_logprobs(names, o.token_ids, o.logprobs or [], parsed.logprobs)
                 else:
-                    choice["text"] = o.text
-                choice.update(logprobs=None, finish_reason=o.finish_reason)
+                    choice["text"] = (_prompt_text(out) if parsed.echo else "") + o.text
+                    if parsed.logprobs is not None:
+                        prompt_ids, prompt_steps = (out.prompt_token_ids, out.prompt_logprobs) if parsed.echo \
+                            else ([], [])
+                        logprobs = completion_logprobs(names, prompt_ids + o.token_ids,
+                                                       list(prompt_steps or []) + list(o.logprobs or []),
+                                                       top=parsed.logprobs)
+                choice.update(logprobs=logprobs, finish_reason=o.finish_reason)
+                if parsed.prompt_logprobs is not None and not chat:
+                    choice["prompt_logprobs"] = _prompt_logprobs(out, parsed.prompt_logprobs)
                 if parsed.return_token_ids:
                     choice["token_ids"] = list(o.token_ids)
                 choices.append(choice)
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
                 "model": name, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        if parsed.prompt_logprobs is not None and chat:      # vLLM: chat's are the response's
+            body["prompt_logprobs"] = _prompt_logprobs(final[0], parsed.prompt_logprobs)
         if parsed.return_token_ids:
             body["prompt_token_ids"] = [s.prompt_token_ids for s in streams]
         return body
 
+    def _prompt_logprobs(out, top: int) -> list | None:
+        if out.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(names, out.prompt_token_ids[:len(out.prompt_logprobs)],
+                                    out.prompt_logprobs, top)
+
+    def _prompt_text(out) -> str:
+        return out.prompt if out.prompt is not None else engine.tokenizer.decode(out.prompt_token_ids)
+
     async def _stream_completion(request, rid, parsed, streams, ticket, newest) -> AsyncIterator[str]:
         created = now()
+        offsets: dict[int, int] = {}          # choice -> text_offset of its next token
 
-        def chunk(index, text, finish_reason, token_ids):
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        def logprobs_of(index, token_ids, steps):
+            lp = completion_logprobs(names, token_ids, steps, offsets.get(index, 0), parsed.logprobs)
+            offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if token_ids else offsets.get(index, 0)
+            return lp
+
+        def chunk(index, text, finish_reason, token_ids, steps=None, scored=None):
+            """``steps``: the logprobs of ``scored`` (default: ``token_ids``), or None."""
+            lp = logprobs_of(index, token_ids if scored is None else scored, steps) if steps is not None else None
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             if parsed.return_token_ids:
                 choice["token_ids"] = token_ids
             return sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                         "choices": [choice]})
 
+        def echo(index, out):
+            """The prompt, as the choice's first chunk (once its logprobs are all there)."""
+            if parsed.logprobs is None:
+                return chunk(index, _prompt_text(out), None, [])
+            steps = out.prompt_logprobs or []
+            if len(steps) < len(out.prompt_token_ids) and not out.finished:
+                return None
+            return chunk(index, _prompt_text(out), None, [], list(steps), out.prompt_token_ids[:len(steps)])
+
         async for event in _events(request, parsed, streams, ticket, newest, chunk, [], rid, created,
-                                   "text_completion"):
+                                   "text_completion", echo if parsed.echo else None):
             yield event
 
     async def _stream_chat(request, rid, parsed, streams, ticket, newest) -> AsyncIterator[str]:
         created = now()
 
-        def event(index, delta, finish_reason, token_ids=None):
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        def event(index, delta, finish_reason, token_ids=None, logprobs=None):
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             if token_ids is not None and parsed.return_token_ids:
                 choice["token_ids"] = token_ids
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                         "choices": [choice]})
 
-        def chunk(index, text, finish_reason, token_ids):
-            return event(index, {"content": text} if text or not finish_reason else {}, finish_reason, token_ids)
+        def chunk(index, text, finish_reason, token_ids, steps=None):
+            lp = chat_logprobs(names, token_ids, steps, parsed.logprobs) if steps is not None else None
+            return event(index, {"content": text} if text or not finish_reason else {}, finish_reason, token_ids,
+                         lp)
 
         # OpenAI's first chunk of each choice names the role, with empty content.
         preamble = [event(i, {"role": "assistant", "content": ""}, None, [])
@@ -365,16 +415,19 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
             yield e
 
     async def _events(request, parsed, streams, ticket, newest, chunk, preamble, rid, created,
-                      obj) -> AsyncIterator[str]:
+                      obj, first=None) -> AsyncIterator[str]:
         """Turn engine outputs into chunks: new text (held back while it could still
-        become a stop string), new token ids, and each choice's finish reason. Outputs
-        are cumulative, so when the client reads slower than the engine writes, the
-        newest output alone makes the next chunk (``_newest``)."""
+        become a stop string), new token ids with their logprobs when asked for, and each
+        choice's finish reason. Outputs are cumulative, so when the client reads slower
+        than the engine writes, the newest output alone makes the next chunk
+        (``_newest``). ``first(index, out)``: a chunk to send before a choice's own, or
+        None while it is not ready (completions' echo)."""
         n = parsed.params.n
         holdback = max((len(s) for s in parsed.params.stop), default=1) - 1
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         closed: set[int] = set()
+        opened: set[int] = set()              # choices whose ``first`` chunk has gone
         prompt_tokens = completion_tokens = 0
         try:
             for e in preamble:
@@ -389,15 +442,24 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
                             index = i * n + o.index
                             if index in closed:
                                 continue
+                            if first is not None and index not in opened:
+                                head = first(index, out)
+                                if head is None:
+                                    continue
+                                opened.add(index)
+                                yield head
                             done = o.finish_reason is not None
                             start = sent_text.get(index, 0)
                             upto = len(o.text) if done else max(start, len(o.text) - holdback)
                             text = o.text[start:upto]
                             tokens = o.token_ids[sent_tokens.get(index, 0):]
                             if text or tokens or done:
+                                steps = None
+                                if parsed.logprobs is not None and o.logprobs is not None:
+                                    steps = o.logprobs[sent_tokens.get(index, 0):len(o.token_ids)]
                                 sent_text[index] = upto
                                 sent_tokens[index] = len(o.token_ids)
-                                yield chunk(index, text, o.finish_reason, tokens)
+                                yield chunk(index, text, o.finish_reason, tokens, steps)
                             if done:
                                 closed.add(index)
                                 completion_tokens += len(o.token_ids)
@@ -421,7 +483,8 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
 
 def _copy(params):
     from dataclasses import replace
-    return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids))
+    return replace(params, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+                   logit_bias=dict(params.logit_bias) if params.logit_bias else None)
 
 
 async def _newest(streams: list[RequestStream]) -> AsyncIterator[list[tuple[int, object]]]:

@@ -1,11 +1,24 @@
 """The OpenAI API's request fields and response shapes, checked by hand.
 
 Hand-written rather than pydantic models so that every mistake gets OpenAI's error body
-and status (400, naming the field), not a framework's 422. Unknown fields are ignored, as
-OpenAI does; a known field of the wrong type is an error, as is a value SamplingParams
-rejects. Extensions beyond OpenAI's fields (vLLM's names): ``top_k``, ``ignore_eos``,
-``min_tokens``, ``stop_token_ids`` and ``return_token_ids`` (each choice, and each
-streamed chunk, then carries the ``token_ids`` it adds).
+and status (400, naming the field), not a framework's 422. Nothing is silently ignored:
+a field labkit does not know is refused as OpenAI refuses it ("Unrecognized request
+argument supplied"), a field it knows but does not implement (``tools``,
+``response_format``, ...: ``UNSUPPORTED``) is refused unless its value means the default,
+and only fields that label a request without changing its output (``user``,
+``metadata``, ...: ``LABELS``) are accepted and not used. A known field of the wrong type
+is an error, as is a value SamplingParams rejects. Extensions beyond OpenAI's fields
+(vLLM's names): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``min_tokens``, ``stop_token_ids``, ``return_token_ids`` (each choice, and each
+streamed chunk, then carries the ``token_ids`` it adds) and ``prompt_logprobs``
+(not streamed; vLLM's ``prompt_logprobs`` in the answer). ``docs/server_api.md`` has the
+table.
+
+Log-probabilities come in OpenAI's two shapes, built from the engine's ``Logprob``
+records (raw log-softmax of the model's logits): chat's ``logprobs.content`` (a list of
+``{token, logprob, bytes, top_logprobs}``) and the legacy completions'
+``{tokens, token_logprobs, top_logprobs, text_offset}``; vLLM's ``prompt_logprobs``
+extension answers ``[null, {"<token id>": {logprob, rank, decoded_token}}, ...]``.
 """
 
 from __future__ import annotations
@@ -15,9 +28,10 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from ..sampling_params import SamplingParams
+from ..model.loader import BYTE_OF_CHAR
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -69,18 +83,41 @@ _KINDS = {
     "list of integers": _is_int_list,
 }
 
-# Known fields (null is accepted for each, meaning "the default").
+# Implemented fields (null is accepted for each, meaning "the default").
 COMMON_FIELDS = {
     "model": "string", "max_tokens": "integer", "temperature": "number", "top_p": "number",
-    "top_k": "integer", "seed": "integer", "n": "integer", "stop": "string or list of strings",
-    "stream": "boolean", "stream_options": "object", "user": "string",
-    "presence_penalty": "number", "frequency_penalty": "number",
+    "top_k": "integer", "min_p": "number", "seed": "integer", "n": "integer",
+    "stop": "string or list of strings", "stream": "boolean", "stream_options": "object",
+    "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number",
+    "logit_bias": "object",
     "ignore_eos": "boolean", "min_tokens": "integer", "stop_token_ids": "list of integers",
-    "return_token_ids": "boolean",
+    "return_token_ids": "boolean", "prompt_logprobs": "integer",
 }
-COMPLETION_FIELDS = {**COMMON_FIELDS, "echo": "boolean", "suffix": "string", "best_of": "integer"}
-CHAT_FIELDS = {**COMMON_FIELDS, "max_completion_tokens": "integer", "logprobs": "boolean",
-               "top_logprobs": "integer"}
+# Accepted and not used: they label a request (for the caller's own bookkeeping), they
+# do not change what is generated.
+LABELS = {"user": "string", "metadata": "object", "safety_identifier": "string",
+          "prompt_cache_key": "string"}
+COMPLETION_FIELDS = {**COMMON_FIELDS, **LABELS, "prompt": None, "echo": "boolean",
+                     "logprobs": "integer", "best_of": "integer"}
+CHAT_FIELDS = {**COMMON_FIELDS, **LABELS, "messages": None, "max_completion_tokens": "integer",
+               "logprobs": "boolean", "top_logprobs": "integer"}
+
+# Known but not implemented: refused with a 400 naming the field, unless the value means
+# what labkit does anyway (each predicate says which values those are; null always is).
+_NO: Callable[[Any], bool] = lambda v: False
+UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
+    "suffix": lambda v: v == "",
+}
+UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: v == {"type": "text"},
+    "tools": _NO, "tool_choice": lambda v: v == "none", "parallel_tool_calls": _NO,
+    "functions": _NO, "function_call": lambda v: v == "none",
+    "audio": _NO, "modalities": lambda v: v == ["text"], "prediction": _NO,
+    "reasoning_effort": _NO, "verbosity": _NO, "web_search_options": _NO, "moderation": _NO,
+    "store": lambda v: v is False,                       # labkit keeps no completions
+    "service_tier": lambda v: v in ("auto", "default"),  # one tier: the only one there is
+    "prompt_cache_retention": _NO, "prompt_cache_options": _NO,
+}
 
 
 def parse_json(raw: bytes) -> dict:
@@ -94,10 +131,23 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def check_types(body: dict, fields: dict[str, str]) -> None:
+def check_fields(body: dict, fields: dict[str, str | None],
+                 unsupported: dict[str, Callable[[Any], bool]]) -> None:
+    """Refuse (400, naming it) a field labkit does not know, one it knows but does not
+    implement (unless its value means the default), and a known field of the wrong type."""
+    for name, value in body.items():
+        if name in fields:
+            continue
+        if name not in unsupported:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", param=name,
+                              code="unsupported_parameter")
+        if value is not None and not unsupported[name](value):
+            raise bad_request(f"'{name}' is not supported by labkit ({json.dumps(value)[:60]}); "
+                              "see docs/server_api.md for the fields it implements", param=name,
+                              code="unsupported_parameter")
     for name, kind in fields.items():
         value = body.get(name)
-        if value is not None and not _KINDS[kind](value):
+        if kind is not None and value is not None and not _KINDS[kind](value):
             raise bad_request(f"'{name}' must be {'an' if kind[0] in 'aeiou' else 'a'} {kind}, "
                               f"got {type(value).__name__} {json.dumps(value)[:60]}", param=name)
 
@@ -113,14 +163,17 @@ class Parsed:
     include_usage: bool
     return_token_ids: bool
     fill_context: bool = False         # chat without max_tokens: up to the context length
+    logprobs: int | None = None        # alternatives per token to report (None: no logprobs)
+    echo: bool = False                 # completions: the prompt (and its logprobs) comes first
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs, k alternatives
     extras: dict[str, Any] = field(default_factory=dict)
 
 
 def _sampling_params(body: dict, max_tokens_field: str = "max_tokens",
-                     default_max_tokens: int | None = 16) -> tuple[SamplingParams, bool]:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name):
-            raise bad_request(f"'{name}' is not supported by labkit (leave it 0)", param=name)
+                     default_max_tokens: int | None = 16, logprobs: int | None = None,
+                     prompt_logprobs: int | None = None,
+                     renames: dict[str, str] | None = None) -> tuple[SamplingParams, bool]:
+    """``renames``: SamplingParams field -> the request field to blame for a bad value."""
     max_tokens = body.get(max_tokens_field)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = body.get("max_tokens")
@@ -136,6 +189,13 @@ def _sampling_params(body: dict, max_tokens_field: str = "max_tokens",
         stop_token_ids=_default(body.get("stop_token_ids"), []),
         ignore_eos=_default(body.get("ignore_eos"), False),
         min_tokens=_default(body.get("min_tokens"), 0),
+        presence_penalty=_default(body.get("presence_penalty"), 0.0),
+        frequency_penalty=_default(body.get("frequency_penalty"), 0.0),
+        repetition_penalty=_default(body.get("repetition_penalty"), 1.0),
+        min_p=_default(body.get("min_p"), 0.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     if fill_context:                   # validated against a placeholder; set per prompt later
         options["max_tokens"] = max(1, options["min_tokens"])
@@ -144,6 +204,7 @@ def _sampling_params(body: dict, max_tokens_field: str = "max_tokens",
     except ValueError as e:
         m = re.search(r"SamplingParams\.(\w+)=", str(e))
         param = m.group(1) if m else None
+        param = (renames or {}).get(param, param)
         if param == "max_tokens" and max_tokens_field != "max_tokens" and body.get(max_tokens_field) is not None:
             param = max_tokens_field
         raise bad_request(str(e).replace("SamplingParams.", ""), param=param) from None
@@ -152,6 +213,34 @@ def _sampling_params(body: dict, max_tokens_field: str = "max_tokens",
 
 def _default(value, default):
     return default if value is None else value
+
+
+def _prompt_logprobs(body: dict, stream: bool, also: int | None = None) -> tuple[int | None, int | None]:
+    """vLLM's ``prompt_logprobs`` extension: (what the request asked, what the engine must
+    compute: the larger of that and ``also``, the prompt logprobs ``echo`` needs)."""
+    asked = body.get("prompt_logprobs")
+    if asked is None:
+        return None, also
+    if not 0 <= asked <= MAX_LOGPROBS:
+        raise bad_request(f"'prompt_logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {asked}",
+                          param="prompt_logprobs")
+    if stream:
+        raise bad_request("'prompt_logprobs' is not available with streaming (use echo with logprobs)",
+                          param="prompt_logprobs")
+    return asked, asked if also is None else max(asked, also)
+
+
+def _logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids as JSON strings ("50256") -> bias in [-100, 100]."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"\d+", key):
+            raise bad_request(f"'logit_bias' keys must be token ids (strings of digits), got {key!r}",
+                              param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -165,15 +254,10 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
 
 def parse_completion(body: dict) -> Parsed:
     """``POST /v1/completions``: prompt is a string, token ids, or a batch of either."""
-    check_types(body, COMPLETION_FIELDS)
-    if body.get("echo"):
-        raise bad_request("'echo' is not supported by labkit", param="echo")
-    if body.get("suffix"):
-        raise bad_request("'suffix' is not supported by labkit", param="suffix")
+    check_fields(body, COMPLETION_FIELDS, UNSUPPORTED_COMPLETION)
     if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n"):
-        raise bad_request("'best_of' is not supported by labkit (use n)", param="best_of")
-    if body.get("logprobs") is not None:
-        raise bad_request("'logprobs' is not supported by labkit", param="logprobs")
+        raise bad_request("'best_of' other than n is not supported by labkit (use n)", param="best_of",
+                          code="unsupported_parameter")
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required", param="prompt")
@@ -184,17 +268,23 @@ def parse_completion(body: dict) -> Parsed:
     else:
         raise bad_request("'prompt' must be a string, a non-empty list of token ids, or a non-empty "
                           "list of strings or of token-id lists", param="prompt")
-    params, fill = _sampling_params(body)
+    logprobs, echo = body.get("logprobs"), bool(body.get("echo"))
     stream, include_usage = _stream_options(body)
+    asked, prompt_k = _prompt_logprobs(body, stream, logprobs if echo else None)
+    params, fill = _sampling_params(body, logprobs=logprobs, prompt_logprobs=prompt_k,
+                                    renames={"prompt_logprobs": "logprobs"})
     return Parsed(body.get("model"), prompts, params, stream, include_usage,
-                  bool(body.get("return_token_ids")), fill)
+                  bool(body.get("return_token_ids")), fill, logprobs=logprobs, echo=echo,
+                  prompt_logprobs=asked)
 
 
 def parse_chat(body: dict) -> Parsed:
     """``POST /v1/chat/completions``: ``messages`` (role + content) into one conversation."""
-    check_types(body, CHAT_FIELDS)
-    if body.get("logprobs"):
-        raise bad_request("'logprobs' is not supported by labkit", param="logprobs")
+    check_fields(body, CHAT_FIELDS, UNSUPPORTED_CHAT)
+    top = body.get("top_logprobs")
+    if top and not body.get("logprobs"):
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    logprobs = (top or 0) if body.get("logprobs") else None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of messages", param="messages")
@@ -216,10 +306,13 @@ def parse_chat(body: dict) -> Parsed:
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
                               param="messages")
         conversation.append({"role": m["role"], "content": content})
-    params, fill = _sampling_params(body, "max_completion_tokens", default_max_tokens=None)
     stream, include_usage = _stream_options(body)
+    asked, _ = _prompt_logprobs(body, stream)
+    params, fill = _sampling_params(body, "max_completion_tokens", default_max_tokens=None,
+                                    logprobs=logprobs, prompt_logprobs=asked,
+                                    renames={"logprobs": "top_logprobs"})
     return Parsed(body.get("model"), [conversation], params, stream, include_usage,
-                  bool(body.get("return_token_ids")), fill)
+                  bool(body.get("return_token_ids")), fill, logprobs=logprobs, prompt_logprobs=asked)
 
 
 # ---- responses ------------------------------------------------------------------------
@@ -239,3 +332,97 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def sse(data: dict | str) -> str:
     """One server-sent event: ``data: <json>`` and a blank line."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+# ---- log-probabilities ------------------------------------------------------------------
+class TokenNames:
+    """Each token's text and bytes, as the logprobs of a response name them (cached).
+
+    The text is ``decoded_token`` when the engine filled it in, else the tokenizer's
+    ``decode([id])``. The bytes are the token's own bytes: for a byte-level BPE tokenizer
+    (GPT-2's scheme, SmolLM2's and tiny-llama's) read from the token's characters, so a
+    token that holds half of a UTF-8 character reports its true bytes, not U+FFFD's;
+    otherwise the UTF-8 of its text (SentencePiece byte tokens ``<0xNN>``: that byte).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int, lp=None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        if token_id not in self._text:
+            self._text[token_id] = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
+                                    else f"token_id:{token_id}")
+        return self._text[token_id]
+
+    def bytes(self, token_id: int) -> list[int]:
+        if token_id not in self._bytes:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) if self.tokenizer is not None else None
+            if self.byte_level and piece and all(ch in BYTE_OF_CHAR for ch in piece):
+                raw = [BYTE_OF_CHAR[ch] for ch in piece]
+            elif piece and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                raw = [int(piece[3:5], 16)]
+            else:
+                raw = list(self.text(token_id).encode("utf-8"))
+            self._bytes[token_id] = raw
+        return self._bytes[token_id]
+
+
+def _by_rank(step: dict, chosen: int | None = None, top: int | None = None) -> list[tuple[int, Any]]:
+    """A step's entries, most likely first; with ``top``: only the ``top`` most likely and
+    ``chosen`` (the engine may have computed more alternatives than this answer shows)."""
+    ranked = sorted(step.items(), key=lambda item: item[1].rank)
+    if top is None:
+        return ranked
+    return [(t, lp) for t, lp in ranked if lp.rank <= top or t == chosen]
+
+
+def chat_logprobs(names: TokenNames, token_ids: list[int], steps: list[dict], top: int) -> dict:
+    """Chat's ``logprobs`` for these tokens: ``{"content": [{token, logprob, bytes,
+    top_logprobs: [the ``top`` most likely, each {token, logprob, bytes}]}, ...]}``."""
+    content = []
+    for token_id, step in zip(token_ids, steps, strict=True):
+        chosen = step[token_id]
+        content.append({
+            "token": names.text(token_id, chosen), "logprob": chosen.logprob, "bytes": names.bytes(token_id),
+            "top_logprobs": [{"token": names.text(t, lp), "logprob": lp.logprob, "bytes": names.bytes(t)}
+                             for t, lp in _by_rank(step)[:top]]})
+    return {"content": content}
+
+
+def completion_logprobs(names: TokenNames, token_ids: list[int], steps: list[dict | None],
+                        text_offset: int = 0, top: int | None = None) -> dict:
+    """The legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (the chosen token and the k most likely, most likely first, as ``{text: logprob}``;
+    null where ``steps`` has None: the prompt's first token) and ``text_offset`` (each
+    token's offset in the choice's text, from ``text_offset`` on, adding up token texts)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, step in zip(token_ids, steps, strict=True):
+        chosen = step[token_id] if step is not None else None
+        text = names.text(token_id, chosen)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(chosen.logprob if chosen is not None else None)
+        entries = None
+        if step is not None:             # tokens of the same text: the most likely one's
+            entries = {}
+            for t, lp in _by_rank(step, token_id, top):
+                entries.setdefault(names.text(t, lp), lp.logprob)
+        out["top_logprobs"].append(entries)
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def vllm_prompt_logprobs(names: TokenNames, token_ids: list[int], steps: list[dict | None],
+                         top: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` answer: per prompt token, None (the first) or
+    ``{"<token id>": {logprob, rank, decoded_token}}`` for the token and the ``top`` most likely."""
+    return [None if step is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": names.text(t, lp)}
+             for t, lp in _by_rank(step, token_id, top)}
+            for token_id, step in zip(token_ids, steps, strict=True)]

@@ -9,7 +9,10 @@
 * the **scheduler timeline** (``timeline_figure``, ``compare_schedulers``): Gantt chart of
   requests over iterations with KV usage beneath, static vs continuous batching;
 * the **waste chart** (``waste_figure``, ``compare_waste``, ``live_waste``): the vLLM paper's
-  Figure 2 categories, from ``labkit.memory.waste``.
+  Figure 2 categories, from ``labkit.memory.waste``;
+* the **sampler's view** (``sampling_figure``, ``sampling_data``): the model's top-k
+  distribution at each generated step, from the engine's logprobs, and what temperature,
+  top-k, top-p, min-p and penalties make of it, computed by labkit's sampler.
 
 Importing ``labkit.viz`` is light: plotly and ipywidgets load when a figure or widget is
 first built (``pip install 'labkit[lab]'`` provides them). Figure functions return plain
@@ -36,6 +39,7 @@ _EXPORTS = {
     "simulate_policies": "timeline",
     "waste_data": "waste_chart", "waste_figure": "waste_chart", "compare_waste": "waste_chart",
     "fragmented_layout": "waste_chart", "live_waste": "waste_chart",
+    "sampling_data": "sampling", "sampling_figure": "sampling", "StepView": "sampling",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -68,6 +68,8 @@ RULES = [
     Rule(r"python -m labkit serve\b.*(--api-keys?-file|--api-key\b|--host)", "skip",
          "a class server (keys, the room's network): tests/test_server.py and tests/test_classroom.py run one"),
     Rule(r"python -m labkit serve\b", "server", timeout_s=240, slow=True),
+    Rule(r"python -c \"import secrets\b.*> keys\.txt$", "skip",
+         "writes a class's keys file into the clone; tests/test_classroom.py makes and reads one"),
     Rule(r"curl ", "skip", "talks to the server a snippet above starts; the 'server' rule sends it a request"),
     Rule(r"python -m labkit\.bench serve\b", "parse", "minutes of the real model with each engine: run it by hand"),
     Rule(r"python -m labkit\.bench\b", "run", timeout_s=600, slow=True),

@@ -79,7 +79,8 @@ def run_labkit(w: dict, args) -> dict:
               enable_prefix_caching=False, kv_cache_memory=int(args.kv_gib * 2**30))
     reqs = w["requests"]
     prompts = [r["prompt_token_ids"] for r in reqs]
-    params = [SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0, ignore_eos=True) for r in reqs]
+    params = [SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0, ignore_eos=True,
+                             logprobs=args.logprobs) for r in reqs]
     llm.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 4, use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -87,7 +88,8 @@ def run_labkit(w: dict, args) -> dict:
     stats = llm.stats()
     return {"wall_s": wall, "outputs": [o.outputs[0].token_ids for o in outs], "version": labkit.__version__,
             "config": f"fp32, {stats['attention_backend']} attention, block 16, max_num_seqs {args.max_num_seqs}, "
-                      f"max_num_batched_tokens {args.max_num_batched_tokens}, preemptions {stats['num_preemptions']}"}
+                      f"max_num_batched_tokens {args.max_num_batched_tokens}, preemptions {stats['num_preemptions']}"
+                      + (f", logprobs {args.logprobs}" if args.logprobs is not None else "")}
 
 
 def _hf_model(args):
@@ -210,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-gib", type=float, default=2.0, help="labkit's KV cache size")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--hf-cb-blocks", type=int, default=200)
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="labkit only: ask every request for its top-K log-probabilities (what they cost)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -247,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--workload", path, "--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-gib", str(args.kv_gib),
                    "--hf-batch-size", str(args.hf_batch_size), "--hf-cb-blocks", str(args.hf_cb_blocks)]
+            if args.logprobs is not None:
+                cmd += ["--logprobs", str(args.logprobs)]
             print(f"[bench serve] running {engine} ...", file=sys.stderr)
             proc = subprocess.run(cmd, stderr=None if not args.json else subprocess.PIPE, text=True)
             if proc.returncode != 0 or not os.path.exists(out):

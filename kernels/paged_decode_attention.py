@@ -27,6 +27,19 @@ What one program computes (grid = sequences x KV heads):
   by ``exp(m_old - m_new)``. At the end ``out = acc / l``. This is the idea of
   FlashAttention; paged decode kernels in vLLM (PagedAttention) use the same update.
 
+**Flash-decoding: splitting long contexts.** One program per (sequence, KV head) is
+``num_seqs * num_kv_heads`` programs: at batch 4 with 8 KV heads, 32 programs on a GPU with
+100+ streaming multiprocessors, each walking a whole 8k-token context alone, while most of
+the GPU idles. The split path cuts each context into partitions of ``partition_size`` tokens,
+one program per (sequence, KV head, partition), each running the same online softmax over
+its partition only and storing its partial result: running max ``m``, denominator ``l`` and
+unnormalised output ``acc``. A second, small kernel combines a sequence's partials exactly
+as the online softmax combines tiles: ``M = max_p m_p``, ``l = sum_p l_p 2^(m_p - M)``,
+``out = sum_p acc_p 2^(m_p - M) / l``. The result equals the unsplit kernel's up to float
+rounding. ``choose_partition_size`` splits only when the unsplit grid would leave the GPU's
+multiprocessors idle and a context spans more than one partition (FlashDecoding; vLLM's
+PagedAttention V2 and its Triton decode kernels do the same).
+
 ``paged_decode_attention_ref`` is the torch reference with the same signature: gather each
 sequence's blocks into a dense padded tensor, then one masked
 ``scaled_dot_product_attention``. It is the ``"torch"`` backend's decode, and the fallback
@@ -38,6 +51,8 @@ does not own.
 """
 
 import torch
+
+from labkit.utils import cdiv
 
 from ._common import (
     LOG2E,
@@ -85,6 +100,52 @@ def online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def load_query_rows(q_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """The query heads of one KV head, as the rows of a [GROUP_PAD, HEAD_DIM_PAD] matrix
+    (GROUP_PAD >= 16 so tl.dot accepts the shape on every GPU; padding rows and lanes load
+    zeros and are never stored). Returns (q, head ids, row mask, lanes d, lane mask)."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    row_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    head = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    return q, head, row_mask, d, d_mask
+
+
+@triton.jit
+def attend_token_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+                       start, end, d, d_mask, qk_scale, stride_cb, stride_co, stride_cd,
+                       GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The online softmax of the query rows ``q`` over tokens ``start .. end-1`` of one
+    sequence (``start`` a multiple of ``TILE``, ``end > start``), tile by tile: returns the
+    running (max ``m``, denominator ``l``, unnormalised output ``acc``). The unsplit kernel
+    runs it over the whole context, the split one over its partition."""
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    offs_t = tl.arange(0, TILE)
+    for tile_start in range(start, end, TILE):
+        tok = tile_start + offs_t
+        tok_mask = tok < end                # partly filled last block: stop at the length
+        kv = paged_token_offsets(block_table_row, tok, tok_mask, stride_cb, stride_co, BLOCK_SIZE)
+        kv_ptrs = kv[:, None] + head_offset + d[None, :] * stride_cd
+        kv_mask = tok_mask[:, None] & d_mask[None, :]
+        # other=0: slots past the length may hold NaN; zeros keep 0 * v clean.
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     qk_scale,                                   # softmax scale * log2(e)
@@ -100,51 +161,131 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     ctx_len = tl.load(context_lens_ptr + seq)
 
-    # Rows = the query heads of this KV head, padded to GROUP_PAD (>= 16 so tl.dot accepts
-    # the shape on every GPU); padding rows load zeros and are never stored.
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    row_mask = g < GROUP
-    d_mask = d < HEAD_DIM
-    head = kv_head * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-
-    block_table_row = block_tables_ptr + seq * stride_bt
-    head_offset = kv_head * stride_ch
-    offs_t = tl.arange(0, TILE)
-    for start in range(0, ctx_len, TILE):
-        tok = start + offs_t
-        tok_mask = tok < ctx_len            # partly filled last block: stop at the length
-        kv = paged_token_offsets(block_table_row, tok, tok_mask, stride_cb, stride_co, BLOCK_SIZE)
-        kv_ptrs = kv[:, None] + head_offset + d[None, :] * stride_cd
-        kv_mask = tok_mask[:, None] & d_mask[None, :]
-        # other=0: slots past the length may hold NaN; zeros keep 0 * v clean.
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION)
+    # Rows = the query heads of this KV head: each K/V tile is read once for all of them.
+    q, head, row_mask, d, d_mask = load_query_rows(q_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
+                                                   GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD)
+    m_i, l_i, acc = attend_token_range(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head * stride_ch,
+        0, ctx_len, d, d_mask, qk_scale, stride_cb, stride_co, stride_cd,
+        GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + seq * stride_os + head[:, None] * stride_oh + d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _paged_decode_split_kernel(
+    m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    qk_scale,
+    stride_qs, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_bt,
+    stride_ms, stride_mh, stride_mp,            # m and l: [num_seqs, num_heads, max_partitions]
+    stride_as, stride_ah, stride_ap, stride_ad,  # acc: [num_seqs, num_heads, max_partitions, d]
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (sequence, KV head, partition): the online softmax over tokens
+    ``[part * PARTITION, (part + 1) * PARTITION)`` only, stored unnormalised. A partition
+    past the context stores nothing; the reduce kernel never reads it."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    ctx_len = tl.load(context_lens_ptr + seq)
+    start = part * PARTITION
+    if start < ctx_len:
+        q, head, row_mask, d, d_mask = load_query_rows(q_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
+                                                       GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD)
+        m_i, l_i, acc = attend_token_range(
+            q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head * stride_ch,
+            start, tl.minimum(start + PARTITION, ctx_len), d, d_mask, qk_scale, stride_cb, stride_co,
+            stride_cd, GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT_PRECISION)
+        ml_off = seq * stride_ms + head * stride_mh + part * stride_mp
+        tl.store(m_ptr + ml_off, m_i, mask=row_mask)
+        tl.store(l_ptr + ml_off, l_i, mask=row_mask)
+        tl.store(acc_ptr + seq * stride_as + head[:, None] * stride_ah + part * stride_ap
+                 + d[None, :] * stride_ad, acc, mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    out_ptr, m_ptr, l_ptr, acc_ptr, context_lens_ptr,
+    stride_os, stride_oh, stride_od,
+    stride_ms, stride_mh, stride_mp,
+    stride_as, stride_ah, stride_ap, stride_ad,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION: tl.constexpr,
+):
+    """One (sequence, KV head): combine the partitions' (m, l, acc) into the output, with the
+    online softmax's own rescaling, partition after partition."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    ctx_len = tl.load(context_lens_ptr + seq)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    row_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    head = kv_head * GROUP + g
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for part in range(0, tl.cdiv(ctx_len, PARTITION)):
+        ml_off = seq * stride_ms + head * stride_mh + part * stride_mp
+        # padding rows: m = 0, l = 1, acc = 0 keep them finite; they are never stored
+        m_p = tl.load(m_ptr + ml_off, mask=row_mask, other=0.0)
+        l_p = tl.load(l_ptr + ml_off, mask=row_mask, other=1.0)
+        acc_p = tl.load(acc_ptr + seq * stride_as + head[:, None] * stride_ah + part * stride_ap
+                        + d[None, :] * stride_ad, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_i, m_p)        # finite: every stored partition held a token
+        alpha = tl.exp2(m_i - m_new)        # 0 for the first partition (m_i = -inf)
+        beta = tl.exp2(m_p - m_new)
+        l_i = l_i * alpha + l_p * beta
+        acc = acc * alpha[:, None] + acc_p * beta[:, None]
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + seq * stride_os + head[:, None] * stride_oh + d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+DEFAULT_PARTITION_SIZE = 512    # tokens per program when splitting (vLLM's PagedAttention V2: 512)
+
+
+def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context_len: int,
+                          num_sms: int | None, tile: int = 16) -> int:
+    """The partition size for the split path, or 0 for one program per (sequence, KV head).
+
+    Split when the unsplit grid has fewer programs than the GPU has streaming
+    multiprocessors (``num_sms``; None off a GPU: never) and some context spans more than one
+    partition. The partition is a whole number of tiles.
+    """
+    if not num_sms or num_seqs * num_kv_heads >= num_sms:
+        return 0
+    size = cdiv(DEFAULT_PARTITION_SIZE, tile) * tile
+    return size if max_context_len > size else 0
+
+
+def multiprocessor_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device (what a grid must fill); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, partition_size: int | None = None) -> torch.Tensor:
     """Decode attention over the paged cache (Triton). Returns ``out`` shaped like ``q``.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks_per_seq] int32;
     context_lens [num_seqs] int32, each >= 1 (the query's own K/V already cached);
     ``scale`` multiplies q.k (usually head_dim ** -0.5). fp32, fp16, and bf16 on a GPU.
+    ``partition_size``: None chooses (:func:`choose_partition_size`; never off a GPU), 0
+    never splits, N splits every context into partitions of N tokens (a multiple of the
+    kernel's tile, ``max(16, block_size)``), flash-decoding style.
     """
     group = check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
     check_triton_launch(_paged_decode_kernel, q, k_cache, v_cache, block_tables, context_lens)
@@ -155,6 +296,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
+    tile = max(16, block_size)
+    # The longest context the block tables can describe: known on the host, no device sync.
+    max_context_len = block_tables.shape[1] * block_size
+    if partition_size is None:
+        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_context_len, multiprocessor_count(q.device), tile)
+    if not isinstance(partition_size, int) or partition_size < 0 or partition_size % tile:
+        raise ValueError(f"partition_size must be 0 (no split) or a positive multiple of the kernel's "
+                         f"tile, max(16, block_size) = {tile}; got {partition_size!r}")
+    if partition_size:
+        return _split_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, group,
+                             cdiv(max_context_len, partition_size), partition_size, tile)
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         out, q, k_cache, v_cache, block_tables, context_lens,
         scale * LOG2E,
@@ -163,6 +315,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim),
         BLOCK_SIZE=block_size, TILE=max(16, block_size),
         DOT_PRECISION=dot_precision(q.dtype),
+    )
+    return out
+
+
+def _split_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, group,
+                  num_partitions, partition_size, tile):
+    """The flash-decoding path: partials per (sequence, KV head, partition), then the reduce."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    m = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(num_seqs, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
+    shapes = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
+                  HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim))
+    _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_partitions)](
+        m, l, acc, q, k_cache, v_cache, block_tables, context_lens,
+        scale * LOG2E,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *m.stride(), *acc.stride(),
+        **shapes, BLOCK_SIZE=block_size, TILE=tile, PARTITION=partition_size,
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
+    _paged_decode_reduce_kernel[(num_seqs, num_kv_heads)](
+        out, m, l, acc, context_lens, *out.stride(), *m.stride(), *acc.stride(),
+        **shapes, PARTITION=partition_size,
     )
     return out
 

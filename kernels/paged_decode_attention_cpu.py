@@ -20,7 +20,8 @@ Each task walks its sequence's blocks in order, as the GPU kernel walks its tile
 3. add the block's values, weighted by ``exp(score - m)``; divide by the denominator at the end.
 
 K and V are each read once, in place, and the block's scores never leave the L1 cache.
-Same signature as the reference; fp32 only (others fall back to the reference).
+Same signature as the reference; fp32 and bf16 caches (bf16 is widened to fp32 block by
+block, in L1); other dtypes fall back to the reference.
 
 The loop is compiled without bounds checks (``boundscheck=False``: a check per load would
 cost more than the load). So the arguments are checked once per call, before it runs,
@@ -56,68 +57,149 @@ except ImportError as e:  # pragma: no cover - numba is a dependency on CPU mach
     HAS_NUMBA = False
     NUMBA_IMPORT_ERROR = e
 
+_pool_started = False
+
+
+def _start_numba_pool() -> None:
+    """Start Numba's thread pool with threads that sleep, not spin, when idle.
+
+    torch's wheels bring their own OpenMP runtime and Numba's "omp" layer loads the
+    system's: two pools on the same cores. Each runtime's idle threads spin-wait by default
+    (OMP_WAIT_POLICY unset), so after every attention call Numba's threads would keep
+    spinning on the cores torch's next matrix multiply needs, and on a busy machine a
+    spinning thread can hold the core the thread it waits for needs. The runtime reads
+    OMP_WAIT_POLICY once, when it is loaded, which is when Numba starts its pool: set
+    PASSIVE for that moment only (torch's runtime, loaded with torch, is unaffected, and
+    nothing leaks to child processes). A user's own OMP_WAIT_POLICY is left alone."""
+    global _pool_started
+    if _pool_started:
+        return
+    _pool_started = True
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        from numba.np.ufunc import parallel
+        parallel._launch_threads()
+    except Exception:  # pragma: no cover - the kernel's first call starts the pool anyway
+        pass
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
+
+
+def _attend_block(qs, keys, values, used, m, total, acc, p):
+    """Steps 1-3 for one block: fold its first ``used`` tokens into one sequence's running
+    max ``m``, denominator ``total`` and output ``acc`` (all per query head). ``qs`` holds
+    the scaled queries [heads, d]; ``keys``/``values`` the block [block_size, kv_heads, d] in
+    fp32; ``p`` is scratch [heads, block_size]."""
+    num_heads, head_dim = qs.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    # 1. scores of this block; a token's keys for all KV heads are one contiguous row
+    for o in range(used):
+        for kvh in range(num_kv_heads):
+            for g in range(group):
+                h = kvh * group + g
+                dot = np.float32(0.0)
+                for d in range(head_dim):
+                    dot += qs[h, d] * keys[o, kvh, d]
+                p[h, o] = dot
+    # 2. online softmax: a new maximum rescales what was accumulated so far
+    for h in range(num_heads):
+        m_new = m[h]
+        for o in range(used):
+            m_new = max(m_new, p[h, o])
+        alpha = np.float32(math.exp(m[h] - m_new))
+        total[h] *= alpha
+        for d in range(head_dim):
+            acc[h, d] *= alpha
+        for o in range(used):
+            e = np.float32(math.exp(p[h, o] - m_new))
+            p[h, o] = e
+            total[h] += e
+        m[h] = m_new
+    # 3. accumulate the values, weighted by the unnormalised probabilities
+    for o in range(used):
+        for kvh in range(num_kv_heads):
+            for g in range(group):
+                h = kvh * group + g
+                w = p[h, o]
+                for d in range(head_dim):
+                    acc[h, d] += w * values[o, kvh, d]
+
+
+def _start_sequence(q_seq, scale, block_size):
+    """One sequence's state: scaled queries [heads, d], running max, running denominator,
+    output accumulator, and the block's score scratch."""
+    num_heads, head_dim = q_seq.shape
+    qs = np.empty((num_heads, head_dim), dtype=np.float32)
+    for h in range(num_heads):
+        for d in range(head_dim):
+            qs[h, d] = q_seq[h, d] * scale
+    # Running max of the scores. A finite "minus infinity": fastmath lets the compiler
+    # assume there are no infinities, and exp(-1e30 - m) is 0 all the same.
+    m = np.full(num_heads, -1e30, dtype=np.float32)
+    total = np.zeros(num_heads, dtype=np.float32)         # running softmax denominator
+    acc = np.zeros((num_heads, head_dim), dtype=np.float32)
+    p = np.empty((num_heads, block_size), dtype=np.float32)
+    return qs, m, total, acc, p
+
+
+def _finish_sequence(acc, total, out_seq):
+    """Divide by the softmax denominator at the end."""
+    num_heads, head_dim = acc.shape
+    for h in range(num_heads):
+        inv = np.float32(1.0) / total[h]
+        for d in range(head_dim):
+            out_seq[h, d] = acc[h, d] * inv
+
 
 def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out):
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    for s in prange(num_seqs):
+    """fp32 caches: each block is read in place."""
+    block_size = k_cache.shape[1]
+    for s in prange(q.shape[0]):
         n = context_lens[s]
-        qs = np.empty((num_heads, head_dim), dtype=np.float32)
-        for h in range(num_heads):
-            for d in range(head_dim):
-                qs[h, d] = q[s, h, d] * scale
-        # Running max of the scores. A finite "minus infinity": fastmath lets the compiler
-        # assume there are no infinities, and exp(-1e30 - m) is 0 all the same.
-        m = np.full(num_heads, -1e30, dtype=np.float32)
-        total = np.zeros(num_heads, dtype=np.float32)         # running softmax denominator
-        acc = np.zeros((num_heads, head_dim), dtype=np.float32)
-        p = np.empty((num_heads, block_size), dtype=np.float32)
+        qs, m, total, acc, p = _start_sequence(q[s], scale, block_size)
         for b in range((n + block_size - 1) // block_size):
-            keys = k_cache[block_tables[s, b]]        # [block_size, kv_heads, head_dim]
-            values = v_cache[block_tables[s, b]]
+            block = block_tables[s, b]
+            _attend_block(qs, k_cache[block], v_cache[block], min(block_size, n - b * block_size),
+                          m, total, acc, p)
+        _finish_sequence(acc, total, out[s])
+
+
+def _decode_kernel_bf16(q, k_bits, v_bits, block_tables, context_lens, scale, out):
+    """bf16 caches, passed as their raw 16-bit patterns (uint16): a bf16 number is the top
+    half of the fp32 number with the same bits, so widening is a shift. Each block is
+    widened into an fp32 scratch block (in L1), then attended exactly as in fp32: half the
+    bytes read from memory, the same arithmetic."""
+    block_size, num_kv_heads, head_dim = k_bits.shape[1], k_bits.shape[2], k_bits.shape[3]
+    for s in prange(q.shape[0]):
+        n = context_lens[s]
+        qs, m, total, acc, p = _start_sequence(q[s], scale, block_size)
+        k_wide = np.zeros((block_size, num_kv_heads, head_dim), dtype=np.uint32)
+        v_wide = np.zeros((block_size, num_kv_heads, head_dim), dtype=np.uint32)
+        keys, values = k_wide.view(np.float32), v_wide.view(np.float32)
+        for b in range((n + block_size - 1) // block_size):
+            block = block_tables[s, b]
             used = min(block_size, n - b * block_size)
-            # 1. scores of this block; a token's keys for all KV heads are one contiguous row
+            kb, vb = k_bits[block], v_bits[block]
             for o in range(used):
                 for kvh in range(num_kv_heads):
-                    for g in range(group):
-                        h = kvh * group + g
-                        dot = np.float32(0.0)
-                        for d in range(head_dim):
-                            dot += qs[h, d] * keys[o, kvh, d]
-                        p[h, o] = dot
-            # 2. online softmax: a new maximum rescales what was accumulated so far
-            for h in range(num_heads):
-                m_new = m[h]
-                for o in range(used):
-                    m_new = max(m_new, p[h, o])
-                alpha = np.float32(math.exp(m[h] - m_new))
-                total[h] *= alpha
-                for d in range(head_dim):
-                    acc[h, d] *= alpha
-                for o in range(used):
-                    e = np.float32(math.exp(p[h, o] - m_new))
-                    p[h, o] = e
-                    total[h] += e
-                m[h] = m_new
-            # 3. accumulate the values, weighted by the unnormalised probabilities
-            for o in range(used):
-                for kvh in range(num_kv_heads):
-                    for g in range(group):
-                        h = kvh * group + g
-                        w = p[h, o]
-                        for d in range(head_dim):
-                            acc[h, d] += w * values[o, kvh, d]
-        for h in range(num_heads):
-            inv = np.float32(1.0) / total[h]
-            for d in range(head_dim):
-                out[s, h, d] = acc[h, d] * inv
+                    for d in range(head_dim):
+                        k_wide[o, kvh, d] = np.uint32(kb[o, kvh, d]) << 16
+                        v_wide[o, kvh, d] = np.uint32(vb[o, kvh, d]) << 16
+            _attend_block(qs, keys, values, used, m, total, acc, p)
+        _finish_sequence(acc, total, out[s])
 
 
 if HAS_NUMBA:
     # fastmath lets the compiler vectorise the dot products (it reorders the fp32 sums,
     # as any SIMD or GPU kernel does); cache=True keeps the compiled code between runs.
+    _start_sequence = njit(fastmath=True, cache=True, boundscheck=False)(_start_sequence)
+    _finish_sequence = njit(fastmath=True, cache=True, boundscheck=False)(_finish_sequence)
+    _attend_block = njit(fastmath=True, cache=True, boundscheck=False)(_attend_block)
     _decode_kernel = njit(parallel=True, fastmath=True, cache=True, boundscheck=False)(_decode_kernel)
+    _decode_kernel_bf16 = njit(parallel=True, fastmath=True, cache=True, boundscheck=False)(_decode_kernel_bf16)
 
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -125,14 +207,19 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                scale: float) -> torch.Tensor:
     """Decode attention over the paged cache, read in place (same contract as the reference)."""
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)  # the loop trusts them
-    usable = (HAS_NUMBA and q.device.type == "cpu" and q.dtype == torch.float32
-              and k_cache.dtype == torch.float32)
+    usable = (HAS_NUMBA and q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
+              and k_cache.is_contiguous() and v_cache.is_contiguous())
     if not usable:
         return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    _start_numba_pool()
     out = torch.empty(q.shape, dtype=torch.float32)
-    _decode_kernel(q.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(),
-                   block_tables.to(torch.int32).contiguous().numpy(),
-                   context_lens.to(torch.int32).contiguous().numpy(), np.float32(scale), out.numpy())
-    return out
+    args = (block_tables.to(torch.int32).contiguous().numpy(), context_lens.to(torch.int32).contiguous().numpy(),
+            np.float32(scale), out.numpy())
+    q32 = q.float().contiguous().numpy()
+    if k_cache.dtype == torch.float32:
+        _decode_kernel(q32, k_cache.numpy(), v_cache.numpy(), *args)
+    else:  # numpy has no bf16: hand over the bits
+        _decode_kernel_bf16(q32, k_cache.view(torch.uint16).numpy(), v_cache.view(torch.uint16).numpy(), *args)
+    return out.to(q.dtype)

@@ -26,19 +26,23 @@ tile are token-major, ``row = token * GROUP_PAD + head_in_group``, so the querie
 head still share every K/V tile they load. A query tile stops reading keys at the last
 position any of its rows can see.
 
-``paged_prefill_attention_ref`` is the torch reference with the same signature.
+``paged_prefill_attention_ref`` is the torch reference with the same signature;
+``paged_prefill_attention_cpu`` the CPU backend's (a causal fast path for fresh prompts).
 """
 
 import torch
+import torch.nn.functional as F
 
 from ._common import (
     LOG2E,
     check_attention_inputs,
     check_triton_launch,
     dot_precision,
+    gather_paged_kv,
     next_power_of_2,
     padded_head_dim,
     paged_attention_torch,
+    reference_compute_dtype,
     tl,
     triton,
 )
@@ -191,4 +195,44 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         q_pos = ctx[:, None] - lens + j                   # absolute position of the query
         o = paged_attention_torch(q[rows], q_pos, k_cache, v_cache, block_tables[seqs], ctx, scale)
         out[rows[real]] = o[real]
+    return out
+
+
+def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """The CPU backend's prefill (same arguments and result as the reference).
+
+    A *fresh* prompt (its chunk is its whole context: no cached prefix, no earlier chunk)
+    attends to nothing but itself: its keys are its own queries' positions, so the mask is
+    plain causal. It takes one ``scaled_dot_product_attention(..., is_causal=True,
+    enable_gqa=True)`` over its own gathered K/V: no mask tensor to build, and the fused
+    kernel skips the upper triangle instead of computing and masking it. Every other chunk
+    (prefix-cache hits, later chunks of a chunked prefill) goes to the reference.
+    """
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    starts, ctx = query_start_loc.tolist(), context_lens.tolist()  # one host sync each
+    chunk_lens = [b - a for a, b in zip(starts, starts[1:])]
+    fresh = [i for i, (n, c) in enumerate(zip(chunk_lens, ctx)) if n == c and n > 1]
+    if not fresh:
+        return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale)
+    out = torch.empty_like(q)
+    dtype = reference_compute_dtype(q)
+    for i in fresh:
+        n, rows = ctx[i], slice(starts[i], starts[i + 1])
+        k, v = (gather_paged_kv(c, block_tables[i:i + 1], context_lens[i:i + 1], n)[0, :n].to(dtype)
+                for c in (k_cache, v_cache))                            # [n, kv_heads, d]
+        # 4-d [1, heads, n, d]: with 3-d inputs torch takes its slow unfused path (3x here).
+        o = F.scaled_dot_product_attention(q[rows].to(dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1).to(q.dtype)
+    fresh_set = set(fresh)
+    rest = [i for i in range(len(ctx)) if i not in fresh_set and chunk_lens[i] > 0]
+    if rest:
+        idx = torch.tensor(rest, device=q.device)
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=q.device) for i in rest])
+        sub_starts = torch.zeros(len(rest) + 1, dtype=query_start_loc.dtype, device=q.device)
+        sub_starts[1:] = torch.tensor([chunk_lens[i] for i in rest], device=q.device).cumsum(0)
+        out[rows] = paged_prefill_attention_ref(q[rows], k_cache, v_cache, block_tables[idx], context_lens[idx],
+                                                sub_starts, scale)
     return out

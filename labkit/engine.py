@@ -21,7 +21,7 @@ from typing import Protocol
 
 from .detokenizer import IncrementalDetokenizer
 from .request import Request, Sequence, Status
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, StepRecord, held_slot_fill, kv_cache_usage
 
 
@@ -86,22 +86,26 @@ class Engine:
             self._sim_now = t
 
     # ---- requests ------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     prompt: str | None = None) -> Request:
         """Queue a request; it joins the batch at the next iteration with room for it.
+        ``BeamSearchParams`` make it a beam-search request (its beams are its sequences).
         Raises ``ValueError`` (changing nothing) if it can never be served: bad sampling
         parameters, token ids outside the vocabulary, a prompt too long for the model or
         the KV cache."""
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"expected SamplingParams or BeamSearchParams, got {type(params).__name__}")
         params.validate()
         vocab = self.executor.vocab_size
+        if isinstance(params, BeamSearchParams) and 2 * params.beam_width > vocab:
+            raise ValueError(f"request {request_id!r}: beam_width={params.beam_width} needs 2 x beam_width "
+                             f"candidate tokens per beam, more than the vocabulary's {vocab}")
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: token ids out of range [0, {vocab}): {bad[:5]}")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
+        if isinstance(params, SamplingParams) and params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"SamplingParams.logit_bias: token {max(params.logit_bias)} is outside the "
                              f"vocabulary [0, {vocab})")
         if request_id is None:
@@ -145,9 +149,9 @@ class Engine:
             self._sim_now += result.duration_s
         end = self.now
         if self.tokenizer is None:
-            finished = self.scheduler.update(plan, result.sampled, end)
+            finished = self.scheduler.update(plan, result.sampled, end, logprobs=result.logprobs)
         else:
-            finished = self.scheduler.update(plan, result.sampled, end, self._detokenize)
+            finished = self.scheduler.update(plan, result.sampled, end, self._detokenize, result.logprobs)
             self._collect_deltas(plan)
         if result.logprobs is not None or result.prompt_logprobs is not None:
             _record_logprobs(plan, result)

@@ -24,6 +24,7 @@ import time
 import torch
 
 from .engine import ExecuteResult
+from .model.kv_cache import KVCache, swap_blocks
 from .model.runner import ModelRunner, SeqChunk
 from .model.sampler import PenaltyRow, SamplingRow, apply_penalties, logprob_entries, make_generator, sample
 from .scheduler import SchedulerOutput
@@ -38,8 +39,13 @@ class ModelExecutor:
 
     simulated = False
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, host_cache: KVCache | None = None):
         self.runner = runner
+        # Host blocks for preemption by swapping (None in recompute mode): indexed by the
+        # scheduler's host allocator as the runner's KV cache is by its block allocator.
+        self.host_cache = host_cache
+        self.swap_s = 0.0               # wall seconds spent copying blocks to and from the host
+        self.swap_granularity = "gather"  # or "layer": vLLM v0's copy per block per layer (kv_cache.swap_blocks)
         self.tokenizer = runner.tokenizer
         self.vocab_size = runner.vocab_size
 
@@ -49,6 +55,8 @@ class ModelExecutor:
         chunks = [SeqChunk(item.token_ids, item.num_computed_tokens, item.seq.block_table.block_ids,
                            item.num_samples > 0, item.is_prefill, all_logits=targets is not None)
                   for item, targets in zip(plan.scheduled, wants_prompt)]
+        if plan.swap_out or plan.swap_in:
+            self._swap(plan)
         logits = self.runner.execute(chunks, plan.copies)
         rows: list[SamplingRow] = []
         row_of: list[int] = []            # which logits row each sampling row reads
@@ -98,6 +106,21 @@ class ModelExecutor:
         if any(item.num_samples and item.seq.request.params.logprobs is not None for item in plan.scheduled):
             logprobs = self._sample_logprobs(plan, table, sampled_flat)
         return ExecuteResult(sampled, time.perf_counter() - t0, logprobs, prompt_lp)
+
+    def _swap(self, plan: SchedulerOutput) -> None:
+        """Apply the plan's swaps before its copy-on-write copies and its batch: swap-out
+        first (the device blocks it frees may be refilled by swap-in or by the batch in this
+        same iteration), then swap-in (its blocks may be copied on write next)."""
+        if self.host_cache is None:
+            raise RuntimeError("the plan swaps blocks but this executor has no host pool: "
+                               "build it with host_cache (LLM(preemption_mode='swap') does)")
+        t0 = time.perf_counter()
+        device = self.runner.kv_cache
+        swap_blocks(device, self.host_cache, plan.swap_out, self.swap_granularity)
+        swap_blocks(self.host_cache, device, plan.swap_in, self.swap_granularity)
+        if device.data.device.type == "cuda":
+            torch.cuda.synchronize(device.data.device)   # so that swap_s measures the copies
+        self.swap_s += time.perf_counter() - t0
 
     def _penalty_rows(self, plan: SchedulerOutput, wanted: list[int]) -> list[PenaltyRow]:
         """The ``PenaltyRow`` of each sampling row in ``wanted`` (sampling-row numbers)."""

@@ -22,14 +22,14 @@ import torch
 
 from .engine import Engine
 from .executor import ModelExecutor
-from .memory import BlockAllocator
+from .memory import BlockAllocator, prefix_cache_policy
 from .model.kv_cache import DEFAULT_KV_BUDGET_BYTES, kv_bytes_per_token
 from .model.loader import load_model
 from .model.runner import ModelRunner
-from .outputs import RequestOutput, error_output, request_output
+from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput, error_output, request_output
 from .request import Request, encode_prompt, is_token_id
-from .sampling_params import SamplingParams
-from .scheduler import POLICIES, make_scheduler
+from .sampling_params import BeamSearchParams, SamplingParams
+from .scheduler import POLICIES, PREEMPTION_MODES, make_scheduler
 from .utils import progress_bar
 
 Prompt = str | list[int]
@@ -43,15 +43,29 @@ class LLM:
     Memory: give ``num_blocks`` (KV blocks of ``block_size`` tokens), or a byte budget
     ``kv_cache_memory`` (default 2 GiB); asking for more than the machine has is an error.
     ``policy="static"`` runs the static-batching baseline on the same model instead.
+    When memory runs out, a running sequence is preempted: ``preemption_mode="recompute"``
+    drops its KV and prefills it again later; ``"swap"`` copies its blocks to a host pool of
+    ``swap_space`` GiB (or ``num_host_blocks`` blocks) and back (docs/swapping.md).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool | str = True, enable_chunked_prefill: bool = True,
                  attention_backend: str = "auto", dtype: str | torch.dtype = "float32",
                  device: str | None = None, policy: str = "continuous", watermark: float = 0.01,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, preemption_mode: str = "recompute",
+                 swap_space: float = 4.0, num_host_blocks: int | None = None,
+                 prefix_caching: bool | str | None = None):
+        # Prefix caching: True or "hash" (vLLM's block hashes), "radix" (SGLang's radix tree),
+        # False; ``prefix_caching=`` is the same option under the issue's shorter name.
+        if prefix_caching is not None:
+            if enable_prefix_caching is not True and (prefix_cache_policy(enable_prefix_caching)
+                                                      != prefix_cache_policy(prefix_caching)):
+                raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r} and prefix_caching="
+                                 f"{prefix_caching!r} disagree: give one of them")
+            enable_prefix_caching = prefix_caching
+        prefix_cache_policy(enable_prefix_caching)      # a bad value fails before the model loads
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if not isinstance(block_size, int) or not 1 <= block_size <= 256:
@@ -62,6 +76,7 @@ class LLM:
         if torch_dtype is None:
             raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _check_swap_args(preemption_mode, swap_space, num_host_blocks)
 
         if kv_cache_memory is not None and (not isinstance(kv_cache_memory, int) or kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
@@ -78,11 +93,17 @@ class LLM:
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = min(max_model_len or self.runner.max_model_len, self.runner.max_model_len)
         allocator = BlockAllocator(self.runner.num_blocks, block_size, enable_prefix_caching)
+        host_blocks = 0
+        if preemption_mode == "swap" and policy == "continuous":   # static never preempts
+            host_blocks = _host_blocks(swap_space, num_host_blocks, self.runner.kv_cache.bytes_per_block)
         scheduler = make_scheduler(policy, allocator, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                    eos_token_ids=self.runner.eos_token_ids, watermark=watermark,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_chunked_prefill=enable_chunked_prefill)
-        self.engine = Engine(scheduler, ModelExecutor(self.runner), tokenizer=self.tokenizer)
+                                   enable_chunked_prefill=enable_chunked_prefill,
+                                   preemption_mode=preemption_mode if host_blocks else "recompute",
+                                   num_host_blocks=host_blocks)
+        host_cache = self.runner.kv_cache.host_pool(host_blocks) if host_blocks else None
+        self.engine = Engine(scheduler, ModelExecutor(self.runner, host_cache), tokenizer=self.tokenizer)
         self._ids = itertools.count()
         print(f"labkit: {self.runner.name} on {device} ({torch_dtype}), "
               f"attention backend: {self.runner.attention_backend_reason}; "
@@ -145,6 +166,52 @@ class LLM:
                 self.engine.abort(rid)                # blocks and forget the text state
                 self.engine.release(request)
 
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search over every prompt (text or token ids), as vLLM's ``LLM.beam_search``:
+        one ``BeamSearchOutput`` per prompt, in input order, its ``sequences`` best first.
+
+        The beams of a request are sequences of the engine that share their blocks by
+        reference count; every step the surviving candidates fork from their parents and
+        the beams no candidate continues are freed at once. The rules are Transformers'
+        (``labkit/beam_search.py``, ``docs/beam_search.md``). A prompt that can never be
+        served gets an output with ``error`` set and no sequences.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
+        params.validate()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_token_id(prompts[0])):
+            prompts = [prompts]
+        encoded = [encode_prompt(prompt, self.tokenizer) for prompt in prompts]
+        entries: list[Request | BeamSearchOutput] = []
+        for text, ids in encoded:
+            request_id = str(next(self._ids))
+            try:
+                entries.append(self.engine.add_request(ids, params, request_id=request_id, prompt=text))
+            except ValueError as e:
+                warnings.warn(f"labkit: request rejected: {e}", stacklevel=2)
+                entries.append(BeamSearchOutput(request_id, text, list(ids), [], error=str(e)))
+        live = [r for r in entries if isinstance(r, Request)]
+        bar = progress_bar(len(live), use_tqdm and len(live) > 1)
+        while any(not r.finished for r in live):
+            done = self.engine.step()
+            if bar is not None and done:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        outputs = [self._beam_output(r) if isinstance(r, Request) else r for r in entries]
+        for r in live:
+            self.engine.release(r)
+        return outputs
+
+    def _beam_output(self, request: Request) -> BeamSearchOutput:
+        prompt = request.prompt_token_ids
+        sequences = [BeamSearchSequence(prompt + h.output_token_ids, list(h.output_token_ids),
+                                        self.tokenizer.decode(h.output_token_ids, skip_special_tokens=True),
+                                        h.cum_logprob, h.score, h.finish_reason)
+                     for h in request.beam_search.outputs()]
+        return BeamSearchOutput(request.request_id, request.prompt, list(prompt), sequences)
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to chat conversations, formatted with the model's chat template."""
@@ -194,6 +261,7 @@ class LLM:
         s = self.engine.stats()
         s.update(model=self.runner.name, attention_backend=self.runner.attention_backend,
                  kv_cache_bytes=self.runner.kv_cache.nbytes, max_model_len=self.max_model_len)
+        s.update(self.engine.scheduler.swap_stats(), swap_s=self.engine.executor.swap_s)
         return s
 
     def reset_prefix_cache(self) -> int:
@@ -207,6 +275,32 @@ class LLM:
     @property
     def allocator(self) -> BlockAllocator:
         return self.engine.scheduler.allocator
+
+
+def _check_swap_args(mode, swap_space, num_host_blocks) -> None:
+    """Refuse a preemption mode or host pool that cannot work, before anything is loaded."""
+    if mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {mode!r}")
+    if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or not swap_space >= 0:
+        raise ValueError(f"swap_space must be a non-negative number of GiB, got {swap_space!r}")
+    if num_host_blocks is not None and (isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int)
+                                        or num_host_blocks < 1):
+        raise ValueError(f"num_host_blocks must be a positive integer, got {num_host_blocks!r}")
+
+
+def _host_blocks(swap_space: float, num_host_blocks: int | None, bytes_per_block: int) -> int:
+    """Host blocks for swapping: ``num_host_blocks`` if given, else as many as ``swap_space``
+    GiB holds; refused when the host has not that much memory available."""
+    blocks = num_host_blocks if num_host_blocks is not None else int(swap_space * 2**30 // bytes_per_block)
+    if blocks < 1:
+        raise ValueError(f"swap_space={swap_space} GiB holds no KV block of {bytes_per_block} bytes: "
+                         "preemption_mode='swap' needs a host pool (raise swap_space)")
+    available = _available_memory("cpu")
+    if available is not None and blocks * bytes_per_block > available:
+        raise ValueError(f"the host pool for swapping would take {blocks * bytes_per_block / 2**30:.2f} GiB "
+                         f"but only {available / 2**30:.2f} GiB of host memory is available; "
+                         "lower swap_space (GiB) or num_host_blocks")
+    return blocks
 
 
 def _check_kv_fits(nbytes: int, device) -> None:

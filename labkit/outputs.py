@@ -112,3 +112,31 @@ def error_output(request_id: str, prompt: str | None, prompt_token_ids: list[int
     return RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
                          outputs=[CompletionOutput(0, "", [], "error")], finished=True,
                          metrics=RequestMetrics(arrival_time), error=error)
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One finished beam of ``LLM.beam_search`` (vLLM's names).
+
+    ``tokens`` is prompt + output, as in vLLM; ``cum_logprob`` the sum of the output tokens'
+    raw log-probabilities; ``score`` the length-penalised score the beams are ranked by
+    (``cum_logprob / len(output_token_ids) ** length_penalty``).
+    """
+
+    tokens: list[int]
+    output_token_ids: list[int]
+    text: str
+    cum_logprob: float
+    score: float
+    finish_reason: str | None = None    # "stop" (EOS), "length", "abort"
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """A beam-search request's result: its ``sequences``, best score first."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]
+    error: str | None = None

@@ -4,7 +4,9 @@ A *request* is what a user sent: a prompt and its SamplingParams. It owns one *s
 per sample: one at first; ``n > 1`` forks more when the prompt's prefill completes.
 A sequence is what the scheduler schedules and what owns a block table.
 
-A sequence's life: WAITING -> RUNNING -> FINISHED, and back to WAITING when preempted.
+A sequence's life: WAITING -> RUNNING -> FINISHED, and back to WAITING when preempted
+(by recompute), or to SWAPPED and back to RUNNING (preempted by swapping: its KV waits in
+host blocks, every computed token kept).
 Its ``token_ids`` are prompt + generated tokens; ``num_computed_tokens`` of them have K/V
 in the cache. Preemption by recompute drops the KV (``num_computed_tokens = 0``) but keeps
 every token, so a resumed sequence continues exactly where it stopped.
@@ -17,12 +19,13 @@ import itertools
 import numbers
 
 from .memory import BlockTable
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"     # preempted by swapping: its KV waits in host blocks
     FINISHED = "finished"
 
 
@@ -35,7 +38,7 @@ class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "block_table", "status", "finish_reason",
                  "num_preemptions", "num_cached_tokens", "num_external_tokens",
-                 "logprobs", "cumulative_logprob")
+                 "logprobs", "cumulative_logprob", "beam_logprobs")
 
     def __init__(self, request: "Request", token_ids: list[int], index: int = 0):
         self.seq_id = next(_seq_ids)
@@ -54,9 +57,14 @@ class Sequence:
         # computed, once: a later preemption drops that KV like any other.
         self.num_external_tokens = 0
         # One {token id: Logprob} per generated token, when SamplingParams.logprobs is set
-        # (the engine appends them as tokens arrive; a fork copies its parent's).
-        self.logprobs: list | None = [] if request.params.logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if self.logprobs is not None else None
+        # (the engine appends them as tokens arrive; a fork copies its parent's). A beam keeps
+        # only its cumulative log-probability: the beam step sets it.
+        wants = request.params.logprobs is not None and request.beam is None
+        self.logprobs: list | None = [] if wants else None
+        self.cumulative_logprob: float | None = 0.0 if wants or request.beam is not None else None
+        # A beam's next-token log-probabilities {token: logprob}, held until every beam of its
+        # request has its own: then they step together (Scheduler._beam_step).
+        self.beam_logprobs: dict[int, float] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -83,25 +91,35 @@ class Sequence:
 class Request:
     """A user's request: prompt, sampling settings, its sequences and its timings.
 
+    A beam-search request (``params`` a ``BeamSearchParams``) keeps it in ``beam``, runs its
+    beams with ``beam.sampling_params()`` (greedy, reporting the top ``2 * beam_width``
+    log-probabilities), and holds its search state in ``beam_search`` (set by the scheduler).
+    Its live beams are the ``seqs`` not finished; beams that died stay there, finished.
+
     Times are in the engine's clock (wall seconds for the real model, simulated seconds
     for the simulator); None until the event happens.
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_time", "seqs",
                  "first_scheduled_time", "first_token_time", "finished_time", "forked",
-                 "prompt", "error", "prompt_logprobs")
+                 "prompt", "error", "prompt_logprobs", "beam", "beam_search")
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
                  arrival_time: float = 0.0, prompt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        self.beam: BeamSearchParams | None = params if isinstance(params, BeamSearchParams) else None
+        self.beam_search = None                  # labkit.beam_search.BeamSearch, for beam requests
+        if self.beam is not None:
+            params = self.beam.sampling_params()
         self.params = params
         self.arrival_time = arrival_time
         self.prompt = prompt
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
-        self.forked = params.n == 1              # n > 1 forks once, after the prompt's prefill
+        # n > 1 forks once, after the prompt's prefill; a beam request forks into its beams then.
+        self.forked = params.n == 1 and self.beam is None
         self.error: str | None = None
         # With SamplingParams.prompt_logprobs: one entry per prompt token computed so far
         # (entry 0, the first token, has none: None). It fills in prompt order, chunk by chunk.
@@ -116,9 +134,16 @@ class Request:
 
     @property
     def width(self) -> int:
-        """Batch slots the request's sequences take: ``n`` until it forks (its one sequence
-        becomes n after the prompt's prefill), then 1 per sequence."""
-        return 1 if self.forked else self.params.n
+        """Batch slots the request's sequences take: ``n`` (``beam_width``) until it forks
+        (its one sequence becomes n after the prompt's prefill), then 1 per sequence."""
+        if self.forked:
+            return 1
+        return self.beam.beam_width if self.beam is not None else self.params.n
+
+    @property
+    def live_beams(self) -> list["Sequence"]:
+        """The sequences of a beam-search request that are not finished: its beams now."""
+        return [s for s in self.seqs if s.status is not Status.FINISHED]
 
     @property
     def finished(self) -> bool:

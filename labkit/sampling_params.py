@@ -135,3 +135,58 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Beam search settings (vLLM's ``BeamSearchParams`` names), checked when made.
+
+    ``beam_width`` beams are kept; each step extends every beam by its ``2 * beam_width``
+    most likely tokens and keeps the best candidates by cumulative log-probability.
+    ``max_tokens`` new tokens at most. A hypothesis's score is its cumulative log-probability
+    divided by ``length ** length_penalty``, its length counting the tokens it generated (the
+    EOS token included): > 0 favours longer outputs, < 0 shorter ones, 0 compares sums.
+    ``ignore_eos``: the end-of-sequence token is an ordinary token, so every beam runs to
+    ``max_tokens``. ``early_stopping`` is Transformers' (not in vLLM's class): ``False`` stops
+    when no running beam can beat the worst kept hypothesis at its current length (the
+    default); ``True`` stops as soon as ``beam_width`` hypotheses are finished; ``"never"``
+    assumes the best case, ``max_tokens`` long, before stopping. ``docs/beam_search.md``
+    gives the rules; ``labkit/beam_search.py`` is the algorithm.
+    """
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"BeamSearchParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) \
+                or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}] (each beam reads its "
+                f"2 * beam_width best tokens, and at most {MAX_LOGPROBS} log-probabilities are kept per "
+                "token, as in vLLM)")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not (_is_number(self.length_penalty) and math.isfinite(self.length_penalty)):
+            bad("length_penalty", "must be a finite number (1.0: average log-probability per token)")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be True or False")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            bad("early_stopping", "must be True, False or 'never' (Transformers' meanings)")
+
+    def sampling_params(self) -> SamplingParams:
+        """What the engine runs each beam with: greedy, with the ``2 * beam_width`` most
+        likely tokens' raw log-probabilities reported (the beam step picks from those)."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos,
+                              logprobs=2 * self.beam_width)
+
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2

@@ -232,3 +232,141 @@ def test_make_lab_opens_chapter_00_unmodified_without_news(make_lab, page):
     ARTIFACTS.mkdir(exist_ok=True)
     pg.screenshot(path=str(ARTIFACTS / "make_lab_first_view.png"))
     assert first.read_bytes() == stored, "opening chapter 00 rewrote its file"
+
+
+def serve_demo(tmp_path, notebook: str):
+    """For a fixture: skip without Chromium, Playwright or JupyterLab; else yield the URL of a
+    JupyterLab server on a copy of ``tests/browser/<notebook>`` (JupyterLab autosaves)."""
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium: apt-get install chromium (or `make browser`)")
+    pytest.importorskip("playwright.sync_api", reason="playwright for Python is not installed")
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    from lab_server import running_jupyterlab
+    shutil.copy(HERE / "browser" / notebook, tmp_path / notebook)
+    with running_jupyterlab(tmp_path) as url:
+        yield url
+
+
+# ---- chapter 9's beam view -------------------------------------------------------------------
+@pytest.fixture
+def beams_lab(tmp_path):
+    """A JupyterLab server on a copy of ``tests/browser/beams_demo.ipynb``."""
+    yield from serve_demo(tmp_path, "beams_demo.ipynb")
+
+
+def beam_state(cell) -> dict:
+    """What one beam widget shows: its status line and the texts of its plot's cells."""
+    return {"status": " ".join(cell.locator(".widget-html-content code").all_inner_texts()),
+            "cells": cell.locator(".js-plotly-plot .textpoint").all_text_contents()}
+
+
+def test_beam_widget_steps_through_forks_deaths_and_swaps(beams_lab, page):
+    """Both figure paths: Step and Back redraw the tree, the tables and the pools; a swap shows
+    the tables naming host blocks (``h3``) and the device pool emptied, then back."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg = page
+    pg.goto(f"{beams_lab}/lab/tree/beams_demo.ipynb?reset")
+    pg.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
+    wait_for(lambda: "Idle" in " ".join(pg.locator(".jp-StatusBar-TextItem").all_inner_texts()),
+             45, "the kernel to start (status bar 'Idle')")
+    pg.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    wait_for(lambda: pg.locator(".js-plotly-plot .main-svg").count() >= 2, 60, "both beam widgets' plots")
+    for index, name in [(0, "figure_widget"), (1, "output_fallback")]:
+        cell = pg.locator(".jp-Cell").nth(index)
+        cell.scroll_into_view_if_needed()
+        wait_for(lambda: "prefill" in beam_state(cell)["status"], 20, f"{name}: the first snapshot")
+        first = beam_state(cell)
+        assert not any("×" in c for c in first["cells"]), first      # one beam: nothing shared yet
+        step = cell.get_by_role("button", name="Step ▶")
+        step.click()
+        forked = wait_for(lambda: "fork" in (s := beam_state(cell))["status"] and any("×3" in c for c in s["cells"])
+                          and s, 20, f"{name}: the fork, a block shared by three beams")
+        assert forked["cells"] != first["cells"]
+        for _ in range(3):
+            step.click()
+            pg.wait_for_timeout(300)
+        swapped = wait_for(lambda: "swap out" in (s := beam_state(cell))["status"] and s, 20, f"{name}: swap out")
+        assert any(c.startswith("h") for c in swapped["cells"]), swapped["cells"]      # tables name host blocks
+        cell.locator(".jp-OutputArea").first.screenshot(path=str(ARTIFACTS / f"beams_{name}_swapped.png"))
+        step.click()
+        wait_for(lambda: "swap in" in beam_state(cell)["status"], 20, f"{name}: swap in")
+        assert not any(c.startswith("h") for c in beam_state(cell)["cells"])
+        cell.get_by_role("button", name="◀ Back").click()
+        wait_for(lambda: "swap out" in beam_state(cell)["status"], 20, f"{name}: back to the swap out")
+
+
+# ---- chapter 10's radix view -----------------------------------------------------------------
+@pytest.fixture
+def radix_lab(tmp_path):
+    """A JupyterLab server on a copy of ``tests/browser/radix_demo.ipynb``."""
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium: apt-get install chromium (or `make browser`)")
+    pytest.importorskip("playwright.sync_api", reason="playwright for Python is not installed")
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    from lab_server import running_jupyterlab
+    shutil.copy(HERE / "browser" / "radix_demo.ipynb", tmp_path / "radix_demo.ipynb")
+    with running_jupyterlab(tmp_path) as url:
+        yield url
+
+
+def radix_state(cell) -> dict:
+    """What one radix widget shows: its status line, the plot's title, node labels and whether
+    the next victim's ring is drawn."""
+    return {"status": " ".join(cell.locator(".widget-html-content code").all_inner_texts()),
+            "title": " ".join(cell.locator(".js-plotly-plot .gtitle").all_text_contents()),
+            "labels": cell.locator(".js-plotly-plot .textpoint").all_text_contents(),
+            "ring": cell.locator(".js-plotly-plot .scatterlayer .trace").nth(2).locator("path.point").count()}
+
+
+def test_radix_widget_grows_the_tree_rings_the_victim_and_counts_evictions(radix_lab, page):
+    """Both figure paths: New chat and Run to idle grow the tree; Next turn matches a chat's
+    path (its hits go up); on the small pool more chats evict, and the title counts it."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg = page
+    pg.goto(f"{radix_lab}/lab/tree/radix_demo.ipynb?reset")
+    pg.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
+    wait_for(lambda: "Idle" in " ".join(pg.locator(".jp-StatusBar-TextItem").all_inner_texts()),
+             45, "the kernel to start (status bar 'Idle')")
+    pg.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    wait_for(lambda: pg.locator(".js-plotly-plot .main-svg").count() >= 2, 60, "both radix widgets' plots")
+    errors = pg.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    assert not [t for t in errors.all_inner_texts() if "Error" in t]
+    for index, name in [(0, "figure_widget"), (1, "output_fallback")]:
+        cell = pg.locator(".jp-Cell").nth(index)
+        cell.scroll_into_view_if_needed()
+        first = wait_for(lambda: (s := radix_state(cell))["status"].startswith("step ") and s, 20,
+                         f"{name}: the status line")
+        if name == "output_fallback":            # its chat has not run yet: nothing cached
+            assert first["labels"] == ["root"] and first["ring"] == 0, first
+        cell.get_by_role("button", name="New chat").click()
+        cell.get_by_role("button", name="Run to idle").click()
+        idle = lambda state: "running 0 · waiting 0" in state["status"]           # noqa: E731
+        ran = wait_for(lambda: idle(s := radix_state(cell)) and s["status"] != first["status"] and s, 20,
+                       f"{name}: the run to redraw")
+        assert ran["ring"] == 1 and "next victim" in ran["title"], ran        # all finished: evictable
+        cached = lambda state: int(re.search(r"(\d+) cached blocks", state["title"])[1])   # noqa: E731
+        blocks = cached(ran)
+        cell.get_by_role("button", name="Next turn").click()
+        cell.get_by_role("button", name="Run to idle").click()
+        turned = wait_for(lambda: cached(s := radix_state(cell)) > blocks and s, 20,
+                          f"{name}: the next turn's blocks in the tree")
+        assert any(label.split()[1] != "h0" for label in turned["labels"][1:]), turned["labels"]   # hits
+        evicted = turned
+        for _ in range(8):
+            if "evictions 0" not in evicted["title"]:
+                break
+            before = evicted["status"]
+            cell.get_by_role("button", name="New chat").click()
+            cell.get_by_role("button", name="Run to idle").click()
+            evicted = wait_for(lambda: idle(s := radix_state(cell)) and s["status"] != before and s, 20,
+                               f"{name}: another chat to run")
+        assert "evictions 0" not in evicted["title"] and "evictions" in evicted["title"], evicted
+        cell.locator(".jp-OutputArea").first.screenshot(path=str(ARTIFACTS / f"radix_{name}.png"))
+    # Hover a node: its blocks, hits and references.
+    cell = pg.locator(".jp-Cell").nth(0)
+    cell.scroll_into_view_if_needed()
+    box = cell.locator(".js-plotly-plot .scatterlayer .trace").nth(1).locator("path.point").nth(1).bounding_box()
+    pg.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    hover = "() => (document.querySelector('.jp-Cell .js-plotly-plot .hoverlayer') || {}).textContent"
+    label = wait_for(lambda: "hits" in (pg.evaluate(hover) or "") and pg.evaluate(hover), 10, "a node's hover label")
+    assert "refs" in label and "blocks [" in label, label

@@ -69,6 +69,11 @@ TINY_CONFIGS = {
     "preemption": dict(num_blocks=24, block_size=8, max_num_batched_tokens=64),
     "static": dict(policy="static"),
     "no-prefix-cache": dict(enable_prefix_caching=False),
+    "radix-prefix-cache": dict(enable_prefix_caching="radix"),
+    "radix-preemption": dict(enable_prefix_caching="radix", num_blocks=24, block_size=8,
+                             max_num_batched_tokens=64),
+    "swap-preemption": dict(preemption_mode="swap", num_blocks=24, block_size=8,
+                            max_num_batched_tokens=64),
 }
 
 
@@ -79,8 +84,10 @@ def test_tiny_greedy_equals_hf_under_every_config(tiny, name):
     llm = LLM("tiny-llama", **options)
     outs = llm.generate(tiny["prompts"], greedy(TINY_LEN), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == tiny["ref"]
-    if name == "preemption":
+    if name.endswith("preemption"):
         assert llm.stats()["num_preemptions"] > 0
+    if name == "swap-preemption":
+        assert llm.stats()["num_swap_outs"] > 0 and llm.stats()["num_swap_ins"] > 0
     if name == "chunked-prefill":
         assert all(len(r.ran) and sum(n for *_, n, _ in r.ran) <= 16 for r in llm.engine.records)
     assert_pool_whole(llm)
@@ -198,8 +205,10 @@ def test_smollm2_greedy_equals_hf(smol, name):
     outs = llm.generate(smol["prompts"], greedy(SMOL_NEW), use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     assert got == smol["ref"]
-    if name == "preemption":
+    if name.endswith("preemption"):
         assert llm.stats()["num_preemptions"] > 0
+    if name == "swap-preemption":
+        assert llm.stats()["num_swap_outs"] > 0 and llm.stats()["num_swap_ins"] > 0
     assert_pool_whole(llm)
 
 

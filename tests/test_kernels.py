@@ -538,7 +538,8 @@ def test_auto_on_cpu_is_the_cpu_kernels_or_the_torch_reference():
     assert backend == ("cpu" if K.backend.HAS_NUMBA else "torch")
     if backend == "cpu":
         ops = K.get_attention_ops("cpu")
-        assert ops.decode is K.paged_decode_attention_cpu and ops.prefill is K.paged_prefill_attention_ref
+        from labkit.kernels.paged_prefill_attention import paged_prefill_attention_cpu
+        assert ops.decode is K.paged_decode_attention_cpu and ops.prefill is paged_prefill_attention_cpu
 
 
 def test_torch_is_always_available():
@@ -647,3 +648,129 @@ def test_references_work_inside_and_outside_inference_mode():
         inside = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
     outside = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
     torch.testing.assert_close(inside, outside)
+
+
+# ------------------------------------------------- flash-decoding: the split decode path
+
+# block size, partition size (a multiple of the tile, max(16, block size)), context lengths:
+# contexts of one token, one partition exactly, one token past it, several partitions with
+# a partly filled last block; GQA group 3 (SmolLM2's) and 1.
+SPLIT_CASES = [
+    pytest.param(16, 16, 9, 3, [1, 16, 17, 50], id="bs16-p16-g3"),
+    pytest.param(16, 48, 9, 3, [47, 48, 49, 100], id="bs16-p48-g3"),
+    pytest.param(8, 32, 2, 2, [1, 8, 33, 70], id="bs8-p32-g1"),
+    pytest.param(32, 64, 8, 2, [64, 65, 130], id="bs32-p64-g4"),
+    pytest.param(64, 64, 4, 1, [1, 64, 129], id="bs64-p64-g4"),
+]
+
+
+@pytest.mark.parametrize("block_size, partition_size, num_heads, num_kv_heads, context_lens", SPLIT_CASES)
+def test_split_decode_matches_unsplit_and_ref(device, block_size, partition_size, num_heads, num_kv_heads,
+                                              context_lens):
+    q, k_cache, v_cache, tables, lens = make_decode_batch(block_size, num_heads, num_kv_heads, 64,
+                                                          context_lens, torch.float32, device)
+    args = (q, k_cache, v_cache, tables, lens, 0.125)
+    split = K.paged_decode_attention(*args, partition_size=partition_size)
+    unsplit = K.paged_decode_attention(*args, partition_size=0)
+    ref = K.paged_decode_attention_ref(*args)
+    assert split.shape == q.shape and not split.isnan().any()
+    torch.testing.assert_close(split, ref, **TOL[torch.float32])
+    torch.testing.assert_close(split, unsplit, **TOL[torch.float32])
+
+
+def test_split_decode_fp16_matches_ref(device):
+    q, k_cache, v_cache, tables, lens = make_decode_batch(16, 9, 3, 64, [5, 40], torch.float16, device)
+    out = K.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, partition_size=16)
+    ref = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, ref, **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("partition_size", [8, 24, -16, 16.0])
+def test_split_decode_refuses_partitions_that_are_not_whole_tiles(partition_size):
+    q, k_cache, v_cache, tables, lens = make_decode_batch(16, 4, 2, 16, [5, 17])
+    with pytest.raises(ValueError, match="partition_size must be 0 .* multiple of the kernel's tile"):
+        K.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, partition_size=partition_size)
+
+
+def test_choose_partition_size_splits_only_small_grids_with_long_contexts():
+    from labkit.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, choose_partition_size
+    p = DEFAULT_PARTITION_SIZE
+    assert choose_partition_size(2, 8, 8192, num_sms=132) == p          # 16 programs, 132 SMs: split
+    assert choose_partition_size(64, 8, 8192, num_sms=132) == 0         # 512 programs fill the GPU
+    assert choose_partition_size(2, 8, p, num_sms=132) == 0             # one partition: nothing to split
+    assert choose_partition_size(2, 8, 8192, num_sms=None) == 0         # off a GPU: never
+    assert choose_partition_size(1, 1, 8192, num_sms=132, tile=48) % 48 == 0
+
+
+# ------------------------------------------------- the CPU backend's fast paths (PERF-SPEED)
+
+from labkit.kernels.paged_prefill_attention import paged_prefill_attention_cpu  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(block_size=st.sampled_from([8, 16]), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 3]),
+       head_dim=st.sampled_from([16, 64]),
+       chunks=st.lists(st.tuples(st.sampled_from([0, 0, 5, 17]), st.integers(1, 40)), min_size=1, max_size=5),
+       seed=st.integers(0, 2**16))
+def test_cpu_prefill_matches_naive_on_mixed_batches(block_size, kv_heads, group, head_dim, chunks, seed):
+    """Fresh prompts take the causal SDPA path, the others the reference, in one call: the
+    result is the naive attention whatever the mix (prefix hits, one-token chunks, NaN in
+    every slot nobody owns)."""
+    num_heads = kv_heads * group
+    q, k_cache, v_cache, tables, lens, starts, chunk_lens = make_prefill_batch(
+        block_size, num_heads, kv_heads, head_dim, chunks, seed=seed)
+    scale = head_dim ** -0.5
+    out = paged_prefill_attention_cpu(q, k_cache, v_cache, tables, lens, starts, scale)
+    expect = naive_attention(q, k_cache, v_cache, tables, lens, chunk_lens, scale)
+    torch.testing.assert_close(out.double(), expect, **TOL[torch.float32])
+
+
+def test_cpu_prefill_is_the_cpu_backends_prefill_and_checks_its_inputs():
+    assert K.get_attention_ops("cpu").prefill is paged_prefill_attention_cpu
+    q, k_cache, v_cache, tables, lens, starts, _ = make_prefill_batch(8, 4, 2, 16, [(0, 9)])
+    bad = tables.clone()
+    bad[0, 0] = 10_000
+    with pytest.raises(ValueError, match="not a block of this cache"):
+        paged_prefill_attention_cpu(q, k_cache, v_cache, bad, lens, starts, 0.25)
+
+
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, context_lens", DECODE_CASES)
+def test_cpu_decode_kernel_reads_bf16_caches(block_size, num_heads, num_kv_heads, head_dim, context_lens):
+    """A bf16 cache is widened block by block inside the kernel: the result is the naive
+    attention over the same bf16 values (computed in float64), rounded to bf16 once."""
+    pytest.importorskip("numba", reason="the CPU decode kernel needs Numba")
+    q, k_cache, v_cache, tables, lens = make_decode_batch(block_size, num_heads, num_kv_heads,
+                                                          head_dim, context_lens, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    out = K.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    expect = naive_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, [1] * len(context_lens), scale)
+    torch.testing.assert_close(out.double(), expect.to(torch.bfloat16).double(), atol=2e-2, rtol=1e-2)
+
+
+def test_bench_step_ops_breakdown(capsys):
+    """``python -m labkit.bench step --ops``: every category measured, floors from the work
+    the step really does (the decode step's KV bytes are its contexts' K and V in every
+    layer), and the markdown tables docs/performance.md quotes."""
+    import json
+
+    from labkit.bench.step import main
+    args = ["--model", "tiny-llama", "--batch", "3", "--context", "20", "--prefill", "16", "--repeats", "1"]
+    assert main(args + ["--ops"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["peaks"]["matmul_gflops"] > 0 and r["peaks"]["read_gbps"] > 0
+    for kind in ("decode", "prefill"):
+        sec = r[f"{kind}_ops"]["seconds"]
+        assert set(sec) == {"matmul", "attention", "elementwise", "python", "tensor_building", "sampling",
+                            "scheduling"}
+        assert sec["matmul"] > 0 and sec["attention"] > 0 and all(v >= 0 for v in sec.values())
+        assert all(v > 0 for v in r[f"{kind}_ops"]["work"].values())   # floors: work / peak (JSON rounds them)
+        assert all(v >= 0 for v in r[f"{kind}_ops"]["floors"].values())
+    from labkit.model import load_model
+    cfg = load_model("tiny-llama").config
+    kv_dim = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    assert r["decode_ops"]["work"]["kv_bytes"] == 2 * cfg.num_hidden_layers * 3 * 20 * kv_dim * 4
+    assert main(args + ["--markdown"]) == 0
+    table = capsys.readouterr().out
+    assert "| matmul |" in table and "| attention |" in table and "decode step, batch 3" in table

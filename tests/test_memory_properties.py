@@ -15,6 +15,13 @@ what the chapter promises:
 * every prefix-cache entry's block holds the KV it claims, and a reuse takes exactly the
   blocks the cache maps the prompt's chained hashes to;
 * after everything is freed, every block is back (free or cached-free).
+
+The same machine runs with each prefix-cache policy (``RadixMachine``: SGLang's radix tree).
+For the radix tree it also checks, after every step, that the tree and the allocator agree
+(``RadixTree.check``: one node per cached block, uniform reference counts per node, the LRU
+heap complete), that no block a live table has published was evicted (nothing is evicted
+while referenced), and that a reuse takes exactly the longest whole-block prefix whose KV
+some cached block holds, computed from the simulated KV memory, not from the tree.
 """
 
 from __future__ import annotations
@@ -40,8 +47,10 @@ SETTINGS = settings(max_examples=300, stateful_step_count=40, deadline=None, der
 
 def snapshot(allocator: BlockAllocator) -> dict:
     """The allocator's whole state (its containers copied one level: their items are
-    ints and immutable cache entries)."""
-    return {k: v.copy() if hasattr(v, "copy") else v for k, v in vars(allocator).items()}
+    ints and immutable cache entries), and its prefix-cache policy's state by value."""
+    snap = {k: v.copy() if hasattr(v, "copy") else v for k, v in vars(allocator).items() if k != "_cache"}
+    snap["_cache"] = allocator.prefix_cache._state() if allocator.prefix_cache is not None else None
+    return snap
 
 
 class Live:
@@ -52,7 +61,7 @@ class Live:
 
 
 class MemoryMachine(RuleBasedStateMachine):
-    CACHING: bool | None = None     # None: drawn per example
+    CACHING: bool | str | None = None     # None: drawn per example (off or hash)
     tables = Bundle("tables")
 
     def __init__(self):
@@ -88,10 +97,28 @@ class MemoryMachine(RuleBasedStateMachine):
             else:
                 self.kv.pop(dst * self.bs + i, None)
 
+    def cached_prefix_len(self, prompt: list[int], limit: int) -> int:
+        """Oracle from the simulated KV memory alone: how many whole blocks of ``prompt``
+        (within ``limit`` tokens) some cached block holds the KV of, each block after the one
+        before (a cached block holds the prefix its last slot was computed with)."""
+        bs, alloc = self.bs, self.allocator
+        held = {self.kv.get(b * bs + bs - 1) for b in range(alloc.num_blocks) if alloc.is_cached(b)}
+        n = 0
+        while (n + 1) * bs <= limit and tuple(prompt[:(n + 1) * bs]) in held:
+            n += 1
+        return n
+
     def expected_hits(self, prompt: list[int], limit: int) -> list[int]:
         """The blocks the cache maps the prompt's chained hashes to, asked block by block."""
         if not self.allocator.enable_prefix_caching:
             return []
+        if self.allocator.radix is not None:
+            tree = self.allocator.radix
+            n, blocks = tree.match_prefix(prompt, limit)
+            assert n == self.cached_prefix_len(prompt, limit) * self.bs, (
+                f"the tree matches {n} tokens of {prompt}, cached KV covers "
+                f"{self.cached_prefix_len(prompt, limit)} blocks")
+            return blocks
         hits, parent = [], ROOT_HASH
         for start in range(0, limit - self.bs + 1, self.bs):
             chunk = tuple(prompt[start:start + self.bs])
@@ -159,8 +186,12 @@ class MemoryMachine(RuleBasedStateMachine):
         next_block = t.block_ids[n // self.bs] if n % self.bs else None
         must_copy = next_block is not None and alloc.ref_count(next_block) > 1
         before, table_before = snapshot(alloc), (list(t.block_ids), list(t.token_ids))
+        # The radix tree may switch a published block for its own copy of the same KV: the
+        # shadow executor must write the KV first, as the engine does (computed=False, then
+        # the model runs, then cache_computed_blocks).
+        publish_now = computed and alloc.radix is None
         try:
-            copies = t.append_tokens(tokens, computed=computed)
+            copies = t.append_tokens(tokens, computed=publish_now)
         except NoFreeBlocksError:
             # Nothing changed, and the refusal was right.
             assert snapshot(alloc) == before
@@ -248,6 +279,11 @@ class MemoryMachine(RuleBasedStateMachine):
         for b in range(alloc.num_blocks):
             assert alloc.ref_count(b) == holders[b], f"block {b}: {alloc.ref_count(b)} refs, {holders[b]} holders"
             assert (alloc.state(b) == "used") == (holders[b] > 0)
+            if alloc.radix is not None and alloc.is_cached(b):   # the tree's path is the block's KV
+                node = alloc.radix.node_of(b)
+                path = alloc.radix._path_tokens(node)
+                end = len(path) - len(node.token_ids) + (node.block_ids.index(b) + 1) * bs
+                assert self.kv[b * bs + bs - 1] == tuple(path[:end]), f"block {b} holds other KV than its path"
             entry = alloc.cache_entry(b)
             if entry is not None:   # a cached block holds the KV it is cached for
                 assert len(entry.token_ids) == bs
@@ -255,6 +291,12 @@ class MemoryMachine(RuleBasedStateMachine):
                 for i, token in enumerate(entry.token_ids):
                     assert self.kv[b * bs + i][-1] == token
         assert alloc.num_free_blocks + alloc.num_used_blocks == alloc.num_blocks
+        if alloc.radix is not None:     # nothing a live table published was evicted
+            for live in self.live:
+                t = live.table
+                for b in t.block_ids[:t.num_published_blocks]:
+                    assert alloc.is_cached(b) and alloc.ref_count(b) > 0, (
+                        f"block {b}, published and held, is no longer in the tree")
 
     def teardown(self):
         if not hasattr(self, "allocator"):
@@ -275,9 +317,19 @@ class PrefixCachingMachine(MemoryMachine):
     CACHING = True
 
 
+class RadixMachine(MemoryMachine):
+    """The radix-tree policy: splits, leaf eviction, deduplication, in every example."""
+
+    CACHING = "radix"
+
+
 def test_memory_layer_under_random_interleavings():
     run_state_machine_as_test(MemoryMachine, settings=SETTINGS)
 
 
 def test_prefix_cache_under_random_interleavings():
     run_state_machine_as_test(PrefixCachingMachine, settings=SETTINGS)
+
+
+def test_radix_cache_under_random_interleavings():
+    run_state_machine_as_test(RadixMachine, settings=SETTINGS)

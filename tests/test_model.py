@@ -501,9 +501,14 @@ def test_smollm2_logits_match_hf(smol):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_matches_hf_generate(smol):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_smollm2_greedy_matches_hf_generate(smol, backend):
+    """The readable reference and the CPU fast path (packed weights, Numba decode, causal
+    SDPA for fresh prompts) both give Transformers' greedy tokens in fp32."""
+    if backend == "cpu":
+        _cpu_backend_or_skip()
     hf = smol.hf_model()
-    r = ModelRunner(smol, block_size=16, num_blocks=128, attention_backend="torch")
+    r = ModelRunner(smol, block_size=16, num_blocks=128, attention_backend=backend)
     tok = smol.tokenizer
     questions = ["What is the capital of France?", "Write a haiku about the sea.",
                  "List three prime numbers and explain why they are prime."]
@@ -513,3 +518,44 @@ def test_smollm2_greedy_matches_hf_generate(smol):
     ours = greedy_generate(r, prompts, max_new=24, chunk=16)
     for p, o in zip(prompts, ours):
         assert o == hf_greedy(hf, p, 24)
+
+
+# ------------------------------------------------- the CPU fast path (packed oneDNN linears)
+
+
+def _cpu_backend_or_skip():
+    from labkit.kernels.paged_decode_attention_cpu import HAS_NUMBA
+    if not HAS_NUMBA:
+        pytest.skip("the 'cpu' backend needs Numba")
+
+
+def test_cpu_backend_packs_linears_and_matches_hf(tiny, tiny_hf):
+    """The fast path (packed weights, Numba decode) gives HF's logits, prefill and decode,
+    and the readable "torch" backend keeps the plain weights."""
+    _cpu_backend_or_skip()
+    from labkit.model.llama import Linear, can_pack_linears
+
+    fast = ModelRunner(tiny, block_size=4, num_blocks=64, attention_backend="cpu")
+    assert fast.packed_linears == can_pack_linears(torch.device("cpu"), torch.float32)
+    linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
+    assert linears and all((m.packed is not None) == fast.packed_linears for m in linears)
+    plain = ModelRunner(tiny, block_size=4, num_blocks=64, attention_backend="torch")
+    assert not plain.packed_linears
+    assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+    ids = prompt(37, 5)
+    ref = hf_logits(tiny_hf, ids)
+    blocks = Blocks(fast.num_blocks, seed=2).take(blocks_for(len(ids), 4))
+    out = fast.execute([SeqChunk(ids[:30], 0, blocks)])
+    torch.testing.assert_close(out[0], ref[29], atol=ATOL, rtol=0)
+    for i in range(30, len(ids)):   # decode steps read the paged cache through the Numba kernel
+        out = fast.execute([SeqChunk([ids[i]], i, blocks)])
+        torch.testing.assert_close(out[0], ref[i], atol=ATOL, rtol=0)
+
+
+def test_cpu_backend_greedy_generation_matches_hf_generate(tiny, tiny_hf):
+    _cpu_backend_or_skip()
+    fast = ModelRunner(tiny, block_size=4, num_blocks=128, attention_backend="cpu")
+    prompts = [prompt(n, 60 + n) for n in (3, 19, 8, 41)]
+    ours = greedy_generate(fast, prompts, max_new=24, chunk=7)
+    for p, o in zip(prompts, ours):
+        assert o == hf_greedy(tiny_hf, p, 24)

@@ -17,6 +17,10 @@ COMMANDS = {
     "http": "the OpenAI-compatible server under concurrent streaming clients",
     "disagg": "prefill/decode interference, chunked prefill and disaggregation (simulated)",
     "step": "one engine iteration (a decode batch, a long prefill) and attention's share of it",
+    "swap": "preemption by swapping vs recomputation, by block size (paper's Figure 19)",
+    "gpu-check": "everything that needs a GPU: gpu tests, kernel bandwidth, engine = Transformers on CUDA",
+    "sharing": "memory saved by sharing blocks: parallel sampling and beam search (paper's Figure 15)",
+    "prefix": "prefix caching policies side by side: hash blocks vs radix tree vs none, per workload",
 }
 
 
@@ -44,10 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown benchmark {what!r}; choose from: {', '.join(COMMANDS)}\n"
               "(python -m labkit.bench --help says what each one measures)", file=sys.stderr)
         return 2
+    name = f"labkit.bench.{what.replace('-', '_')}"      # gpu-check lives in gpu_check.py
     try:
-        module = importlib.import_module(f"labkit.bench.{what}")
+        module = importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name == f"labkit.bench.{what}":
+        if e.name == name:
             print(f"the {what!r} benchmark is not available in this version of labkit", file=sys.stderr)
             return 2
         raise

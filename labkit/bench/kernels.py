@@ -7,6 +7,10 @@ batch sizes and context lengths and reports, per shape:
 * achieved memory bandwidth: bytes of K, V, q and out moved / time. Decode attention reads
   every cached K/V byte once and does little arithmetic per byte, so this number against
   the GPU's peak (H100 SXM ~3.3 TB/s) says how good the kernel is;
+* the same kernel split flash-decoding style (``--partition-size`` tokens per program, then
+  a reduce kernel), and which of the two the kernel's own heuristic picks for that shape;
+* achieved bandwidth as a fraction of the device's *measured* copy bandwidth (a large
+  tensor copy, read + write, timed the same way): how close to the memory floor it runs;
 * the time of the torch baseline: gather the blocks into contiguous tensors, then
   ``scaled_dot_product_attention`` (exactly ``paged_decode_attention_ref``).
 
@@ -32,6 +36,7 @@ from labkit.kernels import (
     paged_decode_attention_ref,
     select_attention_backend,
 )
+from labkit.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, multiprocessor_count, choose_partition_size
 from labkit.kernels.paged_decode_attention_cpu import HAS_NUMBA
 from labkit.utils import cdiv
 
@@ -94,6 +99,17 @@ def time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def copy_gbps(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> float:
+    """The device's measured memory bandwidth: GB/s of one large tensor copy (bytes read +
+    bytes written), median of ``repeats``. The ceiling a memory-bound kernel is held to."""
+    if device.type == "cpu":
+        nbytes = min(nbytes, 2**28)        # a CPU copies slowly: 256 MiB says enough
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup=2, repeats=repeats)
+    return 2 * nbytes / ms / 1e6
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m labkit.bench kernels",
                                 description="Time paged decode attention: the Triton kernel on a GPU, "
@@ -104,6 +120,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-heads", type=int, help="query heads (default 32; 9 with --ref-cpu)")
     p.add_argument("--num-kv-heads", type=int, help="KV heads (default 8; 3 with --ref-cpu)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--partition-size", type=int, default=None,
+                   help=f"tokens per program of the split (flash-decoding) kernel; default "
+                        f"{DEFAULT_PARTITION_SIZE}, rounded up to whole tiles")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default fp16 on GPU, fp32 on CPU")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per shape (median reported)")
     p.add_argument("--warmup", type=int, default=3)
@@ -145,10 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         num_heads, num_kv_heads = args.num_heads or 32, args.num_kv_heads or 8
 
     notes = [f"backend: {backend} ({reason})"]
+    tile = max(16, args.block_size)
+    partition = args.partition_size or cdiv(DEFAULT_PARTITION_SIZE, tile) * tile
+    ceiling = copy_gbps(device)
+    notes.append(f"measured copy bandwidth: {ceiling:.1f} GB/s (read + write of a large tensor); "
+                 "'of copy' = achieved / that")
     if use_triton:
-        notes.append("the decode kernel runs one program per (sequence, KV head): small batches "
-                     "leave most of the GPU idle, whatever the context length (splitting the "
-                     "context over programs, as flash-decoding does, is the fix)")
+        notes.append("triton: one program per (sequence, KV head); split: flash-decoding, "
+                     f"partitions of {partition} tokens then a reduce; auto: what the kernel picks "
+                     f"for the shape ({multiprocessor_count(device)} SMs)")
     else:
         notes.append("Triton timings need a CUDA GPU of compute capability 8.0+ (the Triton "
                       "interpreter is not timed): timing the "
@@ -171,11 +195,17 @@ def main(argv: list[str] | None = None) -> int:
                                             args.block_size, dtype, device)
                 moved = bytes_moved(batch, context, num_heads, num_kv_heads, head_dim, dtype)
                 if use_triton:
-                    ms = time_ms(lambda: paged_decode_attention(*inputs), device, args.warmup, args.repeats)
-                    row.update(triton_ms=ms, triton_gbps=moved / ms / 1e6)
+                    ms = time_ms(lambda: paged_decode_attention(*inputs, partition_size=0), device,
+                                 args.warmup, args.repeats)
+                    row.update(triton_ms=ms, triton_gbps=moved / ms / 1e6, triton_of_copy=moved / ms / 1e6 / ceiling)
+                    ms = time_ms(lambda: paged_decode_attention(*inputs, partition_size=partition), device,
+                                 args.warmup, args.repeats)
+                    row.update(split_ms=ms, split_gbps=moved / ms / 1e6, split_of_copy=moved / ms / 1e6 / ceiling,
+                               auto="split" if choose_partition_size(batch, num_kv_heads, context,
+                                                                     multiprocessor_count(device), tile) else "triton")
                 if use_cpu_kernel and dtype == torch.float32:  # other dtypes fall back to the reference
                     ms = time_ms(lambda: paged_decode_attention_cpu(*inputs), device, args.warmup, args.repeats)
-                    row.update(cpu_ms=ms, cpu_gbps=moved / ms / 1e6)
+                    row.update(cpu_ms=ms, cpu_gbps=moved / ms / 1e6, cpu_of_copy=moved / ms / 1e6 / ceiling)
                 if not args.no_baseline or not use_triton:
                     try:
                         ms = time_ms(lambda: paged_decode_attention_ref(*inputs), device,
@@ -191,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
 
     meta = dict(device=torch.cuda.get_device_name(device) if on_gpu else "cpu",
-                torch=torch.__version__, notes=notes)
+                torch=torch.__version__, copy_gbps=ceiling, partition_size=partition if use_triton else None,
+                notes=notes)
     if args.json:
         print(json.dumps(dict(meta=meta, results=rows), indent=2))
         return 0
@@ -199,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {note}")
     header = f"{'d':>4} {'batch':>5} {'ctx':>6}"
     if use_triton:
-        header += f" {'triton ms':>10} {'GB/s':>8}"
+        header += f" {'triton ms':>10} {'GB/s':>8} {'of copy':>7} {'split ms':>10} {'GB/s':>8} {'of copy':>7} {'auto':>6}"
     if use_cpu_kernel:
-        header += f" {'cpu ms':>10} {'GB/s':>8}"
+        header += f" {'cpu ms':>10} {'GB/s':>8} {'of copy':>7}"
     header += f" {'torch ms':>10} {'GB/s':>8}"
     if use_triton and not args.no_baseline:
         header += f" {'speedup':>8}"
@@ -214,10 +245,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{line}  skipped: {row['skipped']}")
             continue
         if use_triton:
-            line += f" {row['triton_ms']:>10.3f} {row['triton_gbps']:>8.1f}"
+            line += (f" {row['triton_ms']:>10.3f} {row['triton_gbps']:>8.1f} {row['triton_of_copy']:>7.0%}"
+                     f" {row['split_ms']:>10.3f} {row['split_gbps']:>8.1f} {row['split_of_copy']:>7.0%} {row['auto']:>6}")
         if use_cpu_kernel:
-            line += (f" {row['cpu_ms']:>10.3f} {row['cpu_gbps']:>8.1f}" if "cpu_ms" in row
-                     else f" {'(fp32)':>10} {'':>8}")
+            line += (f" {row['cpu_ms']:>10.3f} {row['cpu_gbps']:>8.1f} {row['cpu_of_copy']:>7.0%}" if "cpu_ms" in row
+                     else f" {'(fp32)':>10} {'':>8} {'':>7}")
         if row.get("torch_ms") is not None:
             line += f" {row['torch_ms']:>10.3f} {row['torch_gbps']:>8.1f}"
             if use_triton:

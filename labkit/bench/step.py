@@ -12,6 +12,12 @@ workload, this says what a step costs and how much of it attention is.
 
 On a shared machine run it with ``OMP_NUM_THREADS=1``: one thread's CPU time does not
 suffer from other processes, while OpenMP threads that spin-wait for a busy core do.
+
+``--ops`` adds where the time of each step goes, op by op (``op_breakdown``): matrix
+multiplies, attention, the element-wise rest (embedding, norms, RoPE, SwiGLU, residual
+adds), sampling, scheduling and tensor building, Python in between; each with its floor,
+the time it would take at this machine's measured matmul peak (FLOPs) or read bandwidth
+(bytes), whichever is longer. ``--markdown`` prints those tables as in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -51,10 +57,10 @@ class _TimedOps:
         return self._timed(self.ops.prefill, *a)
 
 
-def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefill: int = 512,
-                 repeats: int = 5, seed: int = 0) -> dict:
-    """Median seconds of a decode step (``batch`` sequences at ``context`` tokens) and of a
-    ``prefill``-token prompt, each with the part spent in attention ops."""
+def bench_chunks(runner: ModelRunner, batch: int = 64, context: int = 400, prefill: int = 512,
+                 seed: int = 0) -> tuple[list[SeqChunk], list[SeqChunk]]:
+    """The two benchmark steps: ``batch`` decodes at ``context`` tokens (blocks scattered
+    over the cache, as after a while of serving) and one fresh ``prefill``-token prompt."""
     rng = random.Random(seed)
     bs = runner.block_size
     vocab = runner.vocab_size
@@ -66,6 +72,14 @@ def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefi
     decode = [SeqChunk([rng.randrange(vocab)], context - 1, blocks[i * per_seq:(i + 1) * per_seq])
               for i in range(batch)]
     pre = [SeqChunk([rng.randrange(vocab) for _ in range(prefill)], 0, blocks[: cdiv(prefill, bs)])]
+    return decode, pre
+
+
+def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefill: int = 512,
+                 repeats: int = 5, seed: int = 0) -> dict:
+    """Median seconds of a decode step (``batch`` sequences at ``context`` tokens) and of a
+    ``prefill``-token prompt, each with the part spent in attention ops."""
+    decode, pre = bench_chunks(runner, batch, context, prefill, seed)
     timed = _TimedOps(runner.ops)
     ops, runner.ops = runner.ops, timed
     try:
@@ -95,6 +109,210 @@ def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefi
     return out
 
 
+# ---- where the time goes, op by op ------------------------------------------------------
+
+# Top-level torch ops that are matrix multiplies (their children, e.g. aten::mm under
+# aten::matmul, are inside them). Everything else that is not attention is element-wise.
+_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm",
+               "mkldnn::_linear_pointwise", "mkl::_mkl_linear"}
+_ATTENTION = "labkit::attention"
+
+
+class _ProfiledOps:
+    """Wraps an attention backend so that each call is one labelled profiler range."""
+
+    def __init__(self, ops):
+        self.ops, self.name = ops, getattr(ops, "name", "ops")
+
+    def _labelled(self, fn, *a):
+        with torch.profiler.record_function(_ATTENTION):
+            return fn(*a)
+
+    def reshape_and_cache(self, *a):
+        return self._labelled(self.ops.reshape_and_cache, *a)
+
+    def decode(self, *a):
+        return self._labelled(self.ops.decode, *a)
+
+    def prefill(self, *a):
+        return self._labelled(self.ops.prefill, *a)
+
+
+def machine_peaks(dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> dict:
+    """This process's measured ceilings: matmul GFLOP/s in ``dtype`` (a [512, 1536] x
+    [1536, 576] multiply, the MLP's down projection at prefill) and read bandwidth in GB/s
+    (summing 256 MiB, far larger than any cache), at the current thread count. With one
+    thread the clock is the process's CPU time, which other processes on the machine do not
+    inflate (they still share its memory bandwidth)."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+
+    def rate(fn, work):
+        fn()
+        n, t0 = 0, clock()
+        while clock() - t0 < seconds:
+            fn()
+            n += 1
+        return work * n / (clock() - t0)
+
+    a, b = torch.randn(512, 1536).to(dtype), torch.randn(1536, 576).to(dtype)
+    big = torch.ones(64 << 20, dtype=torch.float32)
+    return {"matmul_gflops": rate(lambda: a @ b, 2 * 512 * 1536 * 576 / 1e9),
+            "read_gbps": rate(big.sum, big.numel() * 4 / 1e9)}
+
+
+def _floors(runner: ModelRunner, chunks: list[SeqChunk], peaks: dict) -> dict:
+    """Seconds each op category takes at least: max(FLOPs / matmul peak, bytes / bandwidth)."""
+    s, cfg = runner.spec, runner.kv_cache
+    item = torch.empty((), dtype=runner.dtype).element_size()
+    tokens = sum(len(c.token_ids) for c in chunks)
+    rows = sum(c.compute_logits for c in chunks)
+    hd, kvd = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    layer_params = s.hidden_size * (hd + 2 * kvd) + hd * s.hidden_size + 3 * s.hidden_size * s.intermediate_size
+    head_params = s.vocab_size * s.hidden_size
+    flops = 2 * tokens * layer_params * s.num_layers + 2 * rows * head_params
+    weight_bytes = (layer_params * s.num_layers + head_params) * item
+    peak, bw = peaks["matmul_gflops"] * 1e9, peaks["read_gbps"] * 1e9
+    # Attention: every query reads its whole context's K and V once, and does 4 * d FLOPs per
+    # (query head, key): scores and weighted values.
+    keys = sum(sum(c.num_computed_tokens + j + 1 for j in range(len(c.token_ids))) for c in chunks)
+    context = sum(c.num_computed_tokens + len(c.token_ids) for c in chunks)
+    kv_bytes = 2 * s.num_layers * context * kvd * cfg.data.element_size()
+    attn_flops = 4 * s.num_layers * keys * hd
+    # Element-wise: per layer each token's activations pass through memory about 16 times
+    # (two norms, RoPE, SwiGLU, two residual adds: reads and writes), and the cache write.
+    elem_bytes = tokens * s.num_layers * item * (16 * s.hidden_size + 3 * s.intermediate_size + 2 * kvd)
+    return {"matmul": max(flops / peak, weight_bytes / bw),
+            "attention": max(attn_flops / peak, kv_bytes / bw),
+            "elementwise": elem_bytes / bw,
+            "sampling": rows * s.vocab_size * 4 / bw,
+            "flops": flops, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "attn_flops": attn_flops}
+
+
+def _scheduling_seconds(batch: int, context: int, block_size: int, steps: int = 20) -> float:
+    """Seconds of schedule() + update() per decode step at ``batch`` sequences of ``context``
+    tokens: the real scheduler and block manager, driven by the simulator's executor."""
+    from ..engine import Engine
+    from ..memory import BlockAllocator
+    from ..sampling_params import SamplingParams
+    from ..scheduler import make_scheduler
+    from ..sim.executor import SimExecutor
+
+    num_blocks = batch * (cdiv(context + steps + 2, block_size) + 1)
+    sched = make_scheduler("continuous", BlockAllocator(num_blocks, block_size), max_num_seqs=batch,
+                           max_num_batched_tokens=max(2048, context * batch), max_model_len=context + steps + 8)
+    engine = Engine(sched, SimExecutor(), keep_records=False)
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % 1000 for j in range(context - 1)],
+                           SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+    engine.step()  # the prefills
+    engine.schedule_s, engine.num_steps = 0.0, 0
+    c0 = time.process_time()
+    for _ in range(steps):
+        engine.step()
+    if torch.get_num_threads() == 1:  # CPU time of whole steps (the simulator's executor is ~free)
+        return (time.process_time() - c0) / steps
+    return engine.schedule_s / engine.num_steps
+
+
+def op_breakdown(runner: ModelRunner, chunks: list[SeqChunk], peaks: dict, repeats: int = 3) -> dict:
+    """Where one step's time goes: median seconds per category over ``repeats`` profiled
+    runs (after a warm-up), the step's unprofiled wall time, and each category's floor.
+
+    Categories: ``matmul`` (every projection and the LM head), ``attention`` (the backend's
+    three paged ops, cache write included), ``elementwise`` (embedding, norms, RoPE, SwiGLU,
+    residual adds, gathers of the logits rows), ``python`` (the forward pass's wall time not
+    inside any op: Python and dispatch), ``tensor_building`` (``runner.prepare``: packing
+    the chunks into index tensors), ``sampling`` (fp32 logits and greedy argmax).
+    ``scheduling`` is added by the caller (it needs an engine, not a runner).
+
+    With one thread the forward pass's categories are in CPU time: on a shared machine the
+    profiler's wall times include the moments the thread waited for a core, which fall on
+    every op alike, so each run's categories are scaled by its CPU time / wall time;
+    tensor building, sampling and scheduling are measured in CPU time directly.
+    """
+    from ..model.sampler import SamplingRow, sample
+
+    rows = [SamplingRow() for c in chunks if c.compute_logits]
+    one_thread = torch.get_num_threads() == 1
+    ops, runner.ops = runner.ops, _ProfiledOps(runner.ops)
+    samples: dict[str, list[float]] = {}
+    try:
+        with torch.inference_mode():
+            for r in range(repeats + 1):
+                t0, c0 = time.perf_counter(), time.process_time()
+                input_ids, positions, meta, logits_indices = runner.prepare(chunks)
+                t1, c1 = time.perf_counter(), time.process_time()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    logits = runner.model(input_ids, positions, meta, runner.kv_cache, runner.ops, logits_indices)
+                t2, c2 = time.perf_counter(), time.process_time()
+                sample(logits.float(), rows)
+                t3, c3 = time.perf_counter(), time.process_time()
+                if r == 0:
+                    continue  # warm-up
+                cats = {"matmul": 0.0, "attention": 0.0, "elementwise": 0.0}
+                for e in prof.events():
+                    if e.cpu_parent is not None:
+                        continue
+                    cat = ("attention" if e.name == _ATTENTION else
+                           "matmul" if e.name in _MATMUL_OPS else "elementwise")
+                    cats[cat] += e.cpu_time_total / 1e6
+                cats["python"] = max(0.0, (t2 - t1) - sum(cats.values()))
+                if one_thread:  # see cpu_time_seconds: the waits for a core fall on every op alike
+                    scale = min(1.0, (c2 - c1) / (t2 - t1))
+                    cats = {k: v * scale for k, v in cats.items()}
+                cats["tensor_building"] = (c1 - c0) if one_thread else (t1 - t0)
+                cats["sampling"] = (c3 - c2) if one_thread else (t3 - t2)
+                for k, v in cats.items():
+                    samples.setdefault(k, []).append(v)
+    finally:
+        runner.ops = ops
+    out = {k: statistics.median(v) for k, v in samples.items()}
+    floors = _floors(runner, chunks, peaks)
+    return {"seconds": out, "floors": {k: floors[k] for k in ("matmul", "attention", "elementwise", "sampling")},
+            "work": {k: floors[k] for k in ("flops", "weight_bytes", "kv_bytes", "attn_flops")}}
+
+
+def _bound(measured: float, floor: float) -> str:
+    return f"{floor / measured:.0%} of floor speed" if floor and measured else "overhead (no floor)"
+
+
+def markdown_tables(result: dict) -> str:
+    """The ``--ops`` breakdown as markdown tables, one per step kind."""
+    peaks = result["peaks"]
+    one = result.get("threads") == 1
+    lines = [f"Machine ceilings measured in this run: matmul {peaks['matmul_gflops']:.0f} GFLOP/s "
+             f"({result['dtype']}, {result['threads']} thread{'s' * (not one)}), read bandwidth "
+             f"{peaks['read_gbps']:.1f} GB/s" + (" (CPU time: one thread)." if one else ".")]
+    for kind in ("decode", "prefill"):
+        b = result[f"{kind}_ops"]
+        sec, floors = b["seconds"], b["floors"]
+        total = sum(sec.values())
+        what = (f"decode step, batch {result['batch']}, context {result['context']}" if kind == "decode"
+                else f"prefill step, one {result['prefill_tokens']}-token prompt")
+        step = result[f"{kind}_cpu_s" if one else f"{kind}_s"]
+        lines += ["", f"**{what}**: {total * 1e3:.0f} ms in all "
+                  f"(the step alone {step * 1e3:.0f} ms{' CPU' if one else ''}, then sampling and scheduling)", "",
+                  "| op | ms | share | floor ms | bound by | at |", "|---|---|---|---|---|---|"]
+        bound = {"matmul": "FLOPs" if b["work"]["flops"] / (peaks["matmul_gflops"] * 1e9)
+                 >= b["work"]["weight_bytes"] / (peaks["read_gbps"] * 1e9) else "weight bytes",
+                 "attention": "FLOPs" if b["work"]["attn_flops"] / (peaks["matmul_gflops"] * 1e9)
+                 >= b["work"]["kv_bytes"] / (peaks["read_gbps"] * 1e9) else "KV bytes",
+                 "elementwise": "activation bytes", "sampling": "logits bytes"}
+        for k in ("matmul", "attention", "elementwise", "sampling", "scheduling", "tensor_building", "python"):
+            ms = sec.get(k, 0.0) * 1e3
+            fl = floors.get(k)
+            lines.append(f"| {k.replace('_', ' ')} | {ms:.1f} | {sec.get(k, 0.0) / total:.0%} | "
+                         f"{'' if fl is None else f'{fl * 1e3:.1f}'} | {bound.get(k, '-')} | "
+                         f"{_bound(sec.get(k, 0.0), fl) if fl is not None else 'overhead (no floor)'} |")
+    return "\n".join(lines)
+
+
+def _rounded(x):
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    return round(x, 4) if isinstance(x, float) else x
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m labkit.bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -105,13 +323,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ops", action="store_true", help="add the per-op breakdown with floors")
+    p.add_argument("--markdown", action="store_true", help="print the --ops tables as markdown")
     a = p.parse_args(argv)
+    a.ops = a.ops or a.markdown
     dtype = getattr(torch, a.dtype)
     need = max(a.batch * cdiv(a.context, a.block_size), cdiv(a.prefill, a.block_size)) + 1
     runner = ModelRunner(a.model, block_size=a.block_size, num_blocks=need, attention_backend=a.backend,
                          dtype=dtype)
     r = step_timings(runner, a.batch, a.context, a.prefill, a.repeats)
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, indent=1))
+    if a.ops:
+        r.update(dtype=a.dtype, peaks=machine_peaks(dtype))
+        decode, pre = bench_chunks(runner, a.batch, a.context, a.prefill)
+        for kind, chunks in (("decode", decode), ("prefill", pre)):
+            r[f"{kind}_ops"] = op_breakdown(runner, chunks, r["peaks"], repeats=a.repeats)
+        r["decode_ops"]["seconds"]["scheduling"] = _scheduling_seconds(a.batch, a.context, a.block_size)
+        r["prefill_ops"]["seconds"]["scheduling"] = _scheduling_seconds(1, a.prefill, a.block_size)
+    if a.markdown:
+        print(markdown_tables(r))
+        return 0
+    print(json.dumps(_rounded(r), indent=1))
     return 0
 
 

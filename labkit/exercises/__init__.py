@@ -6,7 +6,9 @@ stub that still raises) with a hint too; expected values come from the real engi
 ``memory`` grades the PagedAttention lesson's three exercises (this lab's 1.3, 2.1 and
 3.3), ``engine`` the engine arithmetic of chapters 0, 1, 3 and 6, ``bughunt`` chapter 2's
 tests, ``sampling`` chapter 6's sampling exercise (6.3), and one module per later chapter
-the rest. ``_grading`` holds the shared helpers
+the rest (``beams``: chapter 9, beam search on shared blocks and swapping; ``prefix``:
+chapter 10, prefix caching by hashes and by a radix tree).
+``_grading`` holds the shared helpers
 for reading answers (units exactly, shares, picks of statements) and comparing them.
 Each grader module's ``answer_forms()`` lists what would give its answers away.
 """

@@ -49,6 +49,13 @@ POINTS: dict[str, int] = {
     # 08 online serving
     "8.1": 1,   # median time to first token
     "8.2": 2,   # which requests joined a running batch
+    # 09 beams and swaps
+    "9.1": 2,   # blocks held by a beam search after forks and deaths, and its copies
+    "9.2": 1,   # the saving of parallel sampling for two widths
+    "9.3": 2,   # the block size from which swapping beats recomputation
+    # 10 prefix caching: hash blocks vs a radix tree
+    "10.1": 2,  # tokens a chat's second turn reuses under three caches
+    "10.2": 2,  # the radix tree's next three eviction victims
 }
 
 

@@ -8,18 +8,25 @@ Every block is in exactly one of three states, and the allocator keeps it so:
 
 * **free**        -- on the free stack, reference count 0, holds nothing useful;
 * **cached-free** -- reference count 0 but still holding a full block of a prefix that a
-  later request may reuse; it sits in an LRU queue and is evicted (its hash forgotten)
-  only when the free stack is empty and somebody needs a block;
+  later request may reuse; the prefix cache evicts it (forgets it) only when the free stack
+  is empty and somebody needs a block;
 * **referenced**  -- reference count >= 1: held by that many block tables.
 
 Allocation and freeing are O(1): a stack of free ids (the sketch in the vLLM article pops
-from the front of a Python list, which is O(n) per call) and an ordered dict for the LRU.
+from the front of a Python list, which is O(n) per call).
+
+The prefix cache is a policy the allocator holds, chosen at construction
+(``enable_prefix_caching``): ``"hash"`` (vLLM's chained block hashes, ``HashPrefixCache``;
+``True`` means this one) or ``"radix"`` (SGLang's radix tree, ``RadixTree``). Both keep
+their blocks here, with the same reference counts and the same three states; they differ in
+how a prompt finds its cached prefix and in which cached-free block is evicted first. Block
+tables and the scheduler call the same methods whichever policy runs.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
+from .prefix_cache import CacheEntry, HashPrefixCache, prefix_cache_policy
+from .radix_cache import RadixTree
 
 
 class NoFreeBlocksError(MemoryError):
@@ -30,42 +37,35 @@ class NoFreeBlocksError(MemoryError):
     """
 
 
-@dataclass(slots=True)
-class CacheEntry:
-    """What the prefix cache remembers about a full block: its chained hash and its tokens.
-
-    The tokens are kept so that a hit is confirmed by comparison, never trusted to the hash
-    alone (two different blocks with the same hash must not share KV).
-    """
-
-    block_hash: int
-    parent_hash: int
-    token_ids: tuple[int, ...]
-
-
 class BlockAllocator:
     """Owns ``num_blocks`` physical KV blocks: a free pool, reference counts, a prefix cache.
 
-    Invariant: for every block id, exactly one of (on the free stack), (in the LRU of
-    cached-free blocks), (reference count > 0) holds. Reference counts never go negative.
+    Invariant: for every block id, exactly one of (on the free stack), (cached by the prefix
+    cache with reference count 0), (reference count > 0) holds. Reference counts never go
+    negative.
+
+    ``enable_prefix_caching``: False (off), True or ``"hash"`` (chained block hashes, as
+    vLLM), ``"radix"`` (a radix tree, as SGLang). The attribute keeps the policy's name
+    (``"hash"``, ``"radix"``) or False; ``prefix_cache`` is the policy object (None when off)
+    and ``radix`` the tree when the policy is radix (None otherwise).
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool | str = False):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        policy = prefix_cache_policy(enable_prefix_caching)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching: str | bool = policy or False
         self._ref_counts = [0] * num_blocks
         self._fill = [0] * num_blocks          # slots of each block that hold a token
         self.num_filled_slots = 0              # sum of _fill over referenced blocks
         # Reversed so that the first allocations hand out ids 0, 1, 2, ...: easier to read in demos.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
-        self._entries: dict[int, CacheEntry] = {}                  # block id -> what it caches
-        self._by_hash: dict[int, int] = {}                         # block hash -> block id
+        self._cache: HashPrefixCache | RadixTree | None = (
+            None if policy is None else HashPrefixCache(self) if policy == "hash" else RadixTree(self))
         # Counters for statistics and the widgets; plain ints, cheap to read.
         self.num_evictions = 0
         self.num_cache_queries = 0
@@ -73,14 +73,25 @@ class BlockAllocator:
 
     # ---- state ------------------------------------------------------------------------
     @property
+    def prefix_cache(self) -> HashPrefixCache | RadixTree | None:
+        """The prefix-cache policy object (None when prefix caching is off)."""
+        return self._cache
+
+    @property
+    def radix(self) -> RadixTree | None:
+        """The radix tree, when the policy is ``"radix"`` (None otherwise)."""
+        return self._cache if isinstance(self._cache, RadixTree) else None
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks that ``allocate`` can hand out now: truly free plus cached-free (evictable)."""
-        return len(self._free) + len(self._cached_free)
+        cache = self._cache
+        return len(self._free) + (cache.num_evictable if cache is not None else 0)
 
     @property
     def num_cached_free_blocks(self) -> int:
-        """Free blocks that still hold a reusable prefix (evicted last, LRU first)."""
-        return len(self._cached_free)
+        """Free blocks that still hold a reusable prefix (evicted last, in the policy's order)."""
+        return self._cache.num_evictable if self._cache is not None else 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -90,7 +101,7 @@ class BlockAllocator:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks registered in the prefix cache, referenced or not."""
-        return len(self._entries)
+        return self._cache.num_cached_blocks if self._cache is not None else 0
 
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold ``block_id``."""
@@ -99,27 +110,28 @@ class BlockAllocator:
 
     def is_cached(self, block_id: int) -> bool:
         """Whether ``block_id`` is registered in the prefix cache."""
-        return block_id in self._entries
+        return self._cache is not None and self._cache.is_cached(block_id)
 
     def cache_entry(self, block_id: int) -> CacheEntry | None:
-        return self._entries.get(block_id)
+        """The tokens a cached block holds and their chained hashes (None if not cached)."""
+        return self._cache.entry(block_id) if self._cache is not None else None
 
     def state(self, block_id: int) -> str:
         """``"free"``, ``"cached-free"`` or ``"used"``: the three states of the invariant."""
         self._check_id(block_id)
         if self._ref_counts[block_id] > 0:
             return "used"
-        return "cached-free" if block_id in self._cached_free else "free"
+        return "cached-free" if self.is_cached(block_id) else "free"
 
     # ---- allocate / share / free ---------------------------------------------------------
     def allocate(self) -> int:
-        """Take one block (reference count 1). Evicts the least recently used cached-free
-        block when no plain free block is left. Raises ``NoFreeBlocksError`` when none can be had."""
+        """Take one block (reference count 1). Evicts a cached-free block (the policy picks
+        which: the least recently used block, or the last block of the least recently used
+        leaf) when no plain free block is left. Raises ``NoFreeBlocksError`` when none can be had."""
         if self._free:
             block_id = self._free.pop()
-        elif self._cached_free:
-            block_id, _ = self._cached_free.popitem(last=False)
-            self._forget(block_id)
+        elif self._cache is not None and self._cache.num_evictable:
+            block_id = self._cache.evict()
             self.num_evictions += 1
         else:
             raise NoFreeBlocksError(
@@ -146,10 +158,18 @@ class BlockAllocator:
         self._ref_counts[block_id] = count - 1
         if count == 1:
             self.num_filled_slots -= self._fill[block_id]
-            if block_id in self._entries:
-                self._cached_free[block_id] = None
+            if self._cache is not None and self._cache.is_cached(block_id):
+                self._cache.released(block_id)
             else:
                 self._free.append(block_id)
+
+    def hold_cached(self, block_id: int) -> None:
+        """One more holder for a block the prefix cache holds: a hit, or a table switching
+        to the cache's copy. A cached-free block is revived (no longer evictable)."""
+        if self._ref_counts[block_id] == 0:
+            self._cache.revived(block_id)
+            self.num_filled_slots += self._fill[block_id]
+        self._ref_counts[block_id] += 1
 
     def set_fill(self, block_id: int, num_tokens: int) -> None:
         """Record how many slots of a held block hold tokens (the block table calls this)."""
@@ -176,8 +196,21 @@ class BlockAllocator:
         return self.num_filled_slots / used if used else 0.0
 
     # ---- prefix cache ----------------------------------------------------------------
+    def acquire_cached_prefix(self, token_ids, max_tokens: int | None = None) -> list[int]:
+        """The cached blocks that begin ``token_ids`` (whole blocks within the first
+        ``max_tokens`` tokens), each with one more holder: the caller now holds them.
+        Counted as the hash cache counts: one query per full block looked up, up to the
+        first miss. ``[]`` when prefix caching is off."""
+        if self._cache is None:
+            return []
+        blocks = self._cache.acquire(token_ids, max_tokens)
+        limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
+        self.num_cache_queries += len(blocks) + (len(blocks) < limit // self.block_size)
+        self.num_cache_hits += len(blocks)
+        return blocks
+
     def lookup(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """Find a cached block holding exactly ``token_ids`` under ``block_hash``.
+        """Hash policy: find a cached block holding exactly ``token_ids`` under ``block_hash``.
 
         On a hit the caller becomes a holder: the reference count goes up (a cached-free
         block is revived out of the LRU). Returns the block id, or None on a miss.
@@ -187,45 +220,42 @@ class BlockAllocator:
         if block_id is None:
             return None
         self.num_cache_hits += 1
-        if self._ref_counts[block_id] == 0:
-            del self._cached_free[block_id]
-            self.num_filled_slots += self._fill[block_id]
-        self._ref_counts[block_id] += 1
+        self.hold_cached(block_id)
         return block_id
 
     def peek(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
         """Like ``lookup`` but changes nothing: for admission checks that may not admit."""
-        block_id = self._by_hash.get(block_hash)
-        if block_id is None:
+        if self._cache is None:
             return None
-        entry = self._entries[block_id]
-        if entry.parent_hash != parent_hash or entry.token_ids != token_ids:
-            return None   # a hash collision: never share KV on the hash alone
-        return block_id
+        return self._hash_cache("peek").peek(block_hash, parent_hash, token_ids)
 
     def register(self, block_id: int, block_hash: int, parent_hash: int,
                  token_ids: tuple[int, ...]) -> bool:
-        """Publish a full, referenced block in the prefix cache. Returns whether it was added:
-        a block whose hash is already cached elsewhere stays private (the first one wins)."""
-        if not self.enable_prefix_caching:
+        """Hash policy: publish a full, referenced block in the prefix cache. Returns whether
+        it was added: a block whose hash is already cached elsewhere stays private (the first
+        one wins). False when prefix caching is off."""
+        if self._cache is None:
             return False
+        cache = self._hash_cache("register")
         self._check_id(block_id)
         if self._ref_counts[block_id] == 0:
             raise ValueError(f"block {block_id} is free; only held blocks can be cached")
-        if block_hash in self._by_hash or block_id in self._entries:
-            return False
-        self._entries[block_id] = CacheEntry(block_hash, parent_hash, token_ids)
-        self._by_hash[block_hash] = block_id
-        return True
+        return cache.register(block_id, block_hash, parent_hash, token_ids)
+
+    def _hash_cache(self, what: str) -> HashPrefixCache:
+        if not isinstance(self._cache, HashPrefixCache):
+            raise TypeError(f"{what}() files blocks by hash: it needs enable_prefix_caching='hash', "
+                            f"this allocator has {self.enable_prefix_caching!r} (block tables work "
+                            "with every policy: reuse_cached_prefix, cache_computed_blocks)")
+        return self._cache
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free prefix (they become plain free). Returns how many."""
-        n = len(self._cached_free)
-        while self._cached_free:
-            block_id, _ = self._cached_free.popitem(last=False)
-            self._forget(block_id)
-            self._free.append(block_id)
-        return n
+        if self._cache is None:
+            return 0
+        freed = self._cache.reset()
+        self._free.extend(freed)
+        return len(freed)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -237,23 +267,17 @@ class BlockAllocator:
         """Assert the three-state invariant. Cheap enough for tests after every operation."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free stack twice"
-        cached = set(self._cached_free)
+        cached = self._cache.evictable_blocks() if self._cache is not None else set()
         assert not (free & cached), f"blocks both free and cached-free: {sorted(free & cached)}"
         for block_id, count in enumerate(self._ref_counts):
             assert count >= 0, f"block {block_id} has a negative reference count {count}"
             states = (block_id in free) + (block_id in cached) + (count > 0)
             assert states == 1, f"block {block_id} is in {states} states (free/cached/used)"
-        for block_id in cached:
-            assert block_id in self._entries, f"cached-free block {block_id} has no cache entry"
+        assert len(cached) == self.num_cached_free_blocks, "the cache miscounts its cached-free blocks"
         filled = sum(f for b, f in enumerate(self._fill) if self._ref_counts[b] > 0)
         assert filled == self.num_filled_slots, f"filled-slot count {self.num_filled_slots} != {filled}"
-        for block_hash, block_id in self._by_hash.items():
-            assert self._entries[block_id].block_hash == block_hash
-        assert len(self._by_hash) == len(self._entries)
-
-    def _forget(self, block_id: int) -> None:
-        entry = self._entries.pop(block_id)
-        del self._by_hash[entry.block_hash]
+        if self._cache is not None:
+            self._cache.check()
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
@@ -262,5 +286,6 @@ class BlockAllocator:
     def __repr__(self) -> str:
         return (
             f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"free={len(self._free)}, cached_free={len(self._cached_free)}, used={self.num_used_blocks})"
+            f"free={len(self._free)}, cached_free={self.num_cached_free_blocks}, used={self.num_used_blocks}, "
+            f"prefix_caching={self.enable_prefix_caching!r})"
         )

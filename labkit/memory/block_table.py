@@ -18,9 +18,7 @@ from typing import Iterable, Sequence
 
 from labkit.utils import cdiv
 
-from . import prefix_cache
 from .allocator import BlockAllocator, NoFreeBlocksError
-from .prefix_cache import ROOT_HASH, hash_full_blocks
 
 CopyOnWrite = tuple[int, int]   # (source block id, destination block id)
 
@@ -33,14 +31,15 @@ class BlockTable:
     """
 
     __slots__ = ("allocator", "block_size", "block_ids", "token_ids", "block_hashes",
-                 "num_cached_tokens", "freed")
+                 "num_published_blocks", "num_cached_tokens", "freed")
 
     def __init__(self, allocator: BlockAllocator):
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.block_ids: list[int] = []
         self.token_ids: list[int] = []      # the tokens that have a slot, in order
-        self.block_hashes: list[int] = []   # chained hashes of the full blocks (prefix caching)
+        self.block_hashes: list[int] = []   # chained hashes of the full blocks (hash prefix cache)
+        self.num_published_blocks = 0       # leading blocks inserted in the radix tree (radix cache)
         self.num_cached_tokens = 0          # leading tokens whose KV came from the prefix cache
         self.freed = False
 
@@ -82,34 +81,26 @@ class BlockTable:
         passes ``len(prompt) - 1``: the last prompt token must be computed to get logits).
         Returns the number of tokens whose KV is reused; they need no compute. The table now
         holds those blocks: a caller that then gives up on it must ``free()`` it.
+        Whichever policy caches (hash or radix), the answer is the same kind: whole blocks.
         """
         self._check_live()
         if self.token_ids:
             raise ValueError("reuse_cached_prefix works on an empty block table only")
-        if not self.allocator.enable_prefix_caching:
+        cache = self.allocator.prefix_cache
+        if cache is None:
             return 0
-        for block_hash, parent, block in hash_full_blocks(token_ids, self.block_size, max_tokens):
-            block_id = self.allocator.lookup(block_hash, parent, block)
-            if block_id is None:
-                break
-            self.block_ids.append(block_id)
-            self.block_hashes.append(block_hash)
-            self.token_ids.extend(block)
+        blocks = self.allocator.acquire_cached_prefix(token_ids, max_tokens)
+        self.block_ids = blocks
+        self.token_ids = list(token_ids[:len(blocks) * self.block_size])
+        cache.reused(self)
         self.num_cached_tokens = len(self.token_ids)
         return self.num_cached_tokens
 
     def peek_cached_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """The cached blocks ``reuse_cached_prefix`` would take, without taking anything.
         (The scheduler uses it to count what admitting a request would cost.)"""
-        if not self.allocator.enable_prefix_caching:
-            return []
-        hits = []
-        for block_hash, parent, block in hash_full_blocks(token_ids, self.block_size, max_tokens):
-            block_id = self.allocator.peek(block_hash, parent, block)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        cache = self.allocator.prefix_cache
+        return [] if cache is None else cache.match(token_ids, max_tokens)
 
     # ---- growth ------------------------------------------------------------------
     def append_tokens(self, token_ids: Iterable[int], computed: bool = True) -> list[CopyOnWrite]:
@@ -159,19 +150,17 @@ class BlockTable:
 
     def cache_computed_blocks(self, num_computed_tokens: int) -> None:
         """Publish to the prefix cache every full block within the first
-        ``num_computed_tokens`` tokens (those whose K/V has been written), in order:
-        each block's hash chains on the previous one's."""
-        if self.allocator.enable_prefix_caching:
-            for b in range(len(self.block_hashes), num_computed_tokens // self.block_size):
-                self._publish_full_block(b)
+        ``num_computed_tokens`` tokens (those whose K/V has been written), in order.
 
-    def _publish_full_block(self, b: int) -> None:
-        bs = self.block_size
-        block = tuple(self.token_ids[b * bs:(b + 1) * bs])
-        parent = self.block_hashes[b - 1] if b else ROOT_HASH
-        block_hash = prefix_cache.hash_block(parent, block)
-        self.block_hashes.append(block_hash)
-        self.allocator.register(self.block_ids[b], block_hash, parent, block)
+        Hash policy: each block is filed under a hash chained on the previous one's. Radix
+        policy: the blocks are inserted as a path of the tree; where the tree already holds
+        a block for the same prefix (computed by another request at the same time), this
+        table switches to the tree's block and its own copy returns to the pool, so
+        ``block_ids`` of full, published blocks may change here (never their K/V's meaning).
+        """
+        cache = self.allocator.prefix_cache
+        if cache is not None:
+            cache.publish(self, num_computed_tokens)
 
     def reserve(self, num_tokens: int) -> None:
         """Allocate, now, every block needed to hold ``num_tokens`` tokens in all.
@@ -211,6 +200,7 @@ class BlockTable:
         child.block_ids = list(self.block_ids)
         child.token_ids = list(self.token_ids)
         child.block_hashes = list(self.block_hashes)
+        child.num_published_blocks = self.num_published_blocks
         child.num_cached_tokens = self.num_cached_tokens
         return child
 

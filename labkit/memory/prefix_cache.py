@@ -17,9 +17,40 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Iterator, Sequence
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+if TYPE_CHECKING:   # type hints only: the allocator imports this module
+    from .allocator import BlockAllocator
+    from .block_table import BlockTable
 
 ROOT_HASH = 0
+
+# The values ``enable_prefix_caching`` takes, and the policy each means.
+POLICIES = {False: None, None: None, "none": None, True: "hash", "hash": "hash", "radix": "radix"}
+
+
+def prefix_cache_policy(value: bool | str | None) -> str | None:
+    """``"hash"``, ``"radix"`` or None (off) for an ``enable_prefix_caching`` value:
+    True means the hash cache (vLLM's), False or None turns caching off."""
+    try:
+        return POLICIES[value]
+    except (KeyError, TypeError):
+        raise ValueError(f"enable_prefix_caching must be True, False, 'hash' or 'radix', got {value!r}") from None
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    """What the prefix cache remembers about a full block: its chained hash and its tokens.
+
+    The tokens are kept so that a hit is confirmed by comparison, never trusted to the hash
+    alone (two different blocks with the same hash must not share KV).
+    """
+
+    block_hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -47,3 +78,136 @@ def hash_full_blocks(token_ids: Sequence[int], block_size: int,
 def hash_prefix(token_ids: Sequence[int], block_size: int) -> list[int]:
     """The chained hashes of every full block of ``token_ids`` (a partial tail is not hashed)."""
     return [block_hash for block_hash, _, _ in hash_full_blocks(token_ids, block_size)]
+
+
+class HashPrefixCache:
+    """vLLM's automatic prefix caching, the allocator's ``"hash"`` policy.
+
+    Each full, computed block is filed under its chained hash; a prompt reuses the blocks of
+    its hash chain up to the first miss. Unreferenced cached blocks wait in one LRU queue
+    (oldest first) and any of them may be evicted, whatever its position in a prefix.
+    Per block table it keeps ``table.block_hashes``, the chain so far.
+    """
+
+    policy = "hash"
+
+    def __init__(self, allocator: BlockAllocator):
+        self._alloc = allocator
+        self.block_size = allocator.block_size
+        self._lru: OrderedDict[int, None] = OrderedDict()   # cached-free blocks, oldest first
+        self._entries: dict[int, CacheEntry] = {}          # block id -> what it caches
+        self._by_hash: dict[int, int] = {}                 # block hash -> block id
+
+    # ---- lookups ----------------------------------------------------------------------
+    def peek(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """The block cached under ``block_hash`` if it holds exactly these tokens after this
+        parent, else None. Changes nothing."""
+        block_id = self._by_hash.get(block_hash)
+        if block_id is None:
+            return None
+        entry = self._entries[block_id]
+        if entry.parent_hash != parent_hash or entry.token_ids != token_ids:
+            return None   # a hash collision: never share KV on the hash alone
+        return block_id
+
+    def match(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
+        """The cached blocks of the prompt's hash chain, up to the first miss. Changes nothing."""
+        hits = []
+        for block_hash, parent, block in hash_full_blocks(token_ids, self.block_size, max_tokens):
+            block_id = self.peek(block_hash, parent, block)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def acquire(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
+        """``match``, and every block found gains a holder."""
+        blocks = self.match(token_ids, max_tokens)
+        for block_id in blocks:
+            self._alloc.hold_cached(block_id)
+        return blocks
+
+    def reused(self, table: BlockTable) -> None:
+        """``table`` was just filled by ``acquire``: its hash chain is the blocks' hashes."""
+        table.block_hashes = [self._entries[b].block_hash for b in table.block_ids]
+
+    # ---- publication ------------------------------------------------------------------
+    def publish(self, table: BlockTable, num_computed_tokens: int) -> None:
+        """File every full block within the first ``num_computed_tokens`` tokens of
+        ``table`` under its chained hash, in order (a block already filed elsewhere under
+        the same hash stays private: the first one wins)."""
+        bs = self.block_size
+        for b in range(len(table.block_hashes), num_computed_tokens // bs):
+            block = tuple(table.token_ids[b * bs:(b + 1) * bs])
+            parent = table.block_hashes[b - 1] if b else ROOT_HASH
+            block_hash = hash_block(parent, block)
+            table.block_hashes.append(block_hash)
+            self._alloc.register(table.block_ids[b], block_hash, parent, block)
+
+    def register(self, block_id: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> bool:
+        if block_hash in self._by_hash or block_id in self._entries:
+            return False
+        self._entries[block_id] = CacheEntry(block_hash, parent_hash, token_ids)
+        self._by_hash[block_hash] = block_id
+        return True
+
+    # ---- state and eviction -----------------------------------------------------------
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._entries
+
+    def entry(self, block_id: int) -> CacheEntry | None:
+        return self._entries.get(block_id)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
+    def released(self, block_id: int) -> None:
+        """A cached block lost its last holder: most recently used end of the LRU."""
+        self._lru[block_id] = None
+
+    def revived(self, block_id: int) -> None:
+        del self._lru[block_id]
+
+    def evict(self) -> int:
+        """Forget the least recently released cached block and return it."""
+        block_id, _ = self._lru.popitem(last=False)
+        self._forget(block_id)
+        return block_id
+
+    def reset(self) -> list[int]:
+        """Forget every unreferenced cached block; return them, oldest first."""
+        freed = list(self._lru)
+        self._lru.clear()
+        for block_id in freed:
+            self._forget(block_id)
+        return freed
+
+    def evictable_blocks(self) -> set[int]:
+        return set(self._lru)
+
+    def check(self) -> None:
+        for block_id in self._lru:
+            assert block_id in self._entries, f"cached-free block {block_id} has no cache entry"
+        for block_hash, block_id in self._by_hash.items():
+            assert self._entries[block_id].block_hash == block_hash
+        assert len(self._by_hash) == len(self._entries)
+
+    def _forget(self, block_id: int) -> None:
+        entry = self._entries.pop(block_id)
+        del self._by_hash[entry.block_hash]
+
+    def _state(self) -> tuple:
+        return list(self._lru), dict(self._entries), dict(self._by_hash)
+
+    def __eq__(self, other: object) -> bool:
+        """Same cached blocks, same hashes, same LRU order (tests compare snapshots)."""
+        if not isinstance(other, HashPrefixCache):
+            return NotImplemented
+        return self._state() == other._state()
+
+    __hash__ = None   # mutable

@@ -38,14 +38,14 @@ class KVCache:
     """K/V blocks for every layer of one model."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device="cpu"):
+                 dtype: torch.dtype = torch.float32, device="cpu", pin_memory: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         # Zeros, not empty: a kernel that multiplies masked-out slots by 0 must not meet NaN garbage.
         self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
+                                dtype=dtype, device=device, pin_memory=pin_memory)
         self.k_caches = [self.data[i, 0] for i in range(num_layers)]  # views, one per layer
         self.v_caches = [self.data[i, 1] for i in range(num_layers)]
 
@@ -79,7 +79,46 @@ class KVCache:
         src, dst = idx[:, 0], idx[:, 1]
         self.data.index_copy_(2, dst, self.data.index_select(2, src))
 
+    def host_pool(self, num_blocks: int) -> "KVCache":
+        """A host-memory pool of ``num_blocks`` blocks shaped like this cache's, for
+        preemption by swapping: pinned (page-locked) when this cache is on a GPU, so that
+        copies over PCIe run at full speed; plain CPU tensors otherwise."""
+        pin = self.data.device.type == "cuda"
+        return KVCache(self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                       self.dtype, "cpu", pin_memory=pin)
+
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {self.dtype}, "
                 f"{self.nbytes / 2**20:.0f} MiB)")
+
+
+SWAP_GRANULARITIES = ("gather", "layer")
+
+
+def swap_blocks(src: KVCache, dst: KVCache, pairs, granularity: str = "gather") -> None:
+    """Swapping: for each ``(s, d)`` copy block ``s`` of ``src`` into block ``d`` of ``dst``,
+    every layer's K and V: device -> host to swap out, host -> device to swap in.
+
+    ``granularity="gather"`` (labkit's way): the blocks are gathered into one buffer on the
+    source's device, moved in one transfer and scattered on the destination's, a handful of
+    calls whatever the count. ``"layer"`` copies each block of each layer's K and V on its
+    own, ``2 * num_layers`` copies per block, as vLLM v0 did (the paper's Figure 19 measures
+    that). On a CPU both pools are CPU tensors, and either is still a real copy between pools.
+    """
+    if granularity not in SWAP_GRANULARITIES:
+        raise ValueError(f"granularity must be one of {SWAP_GRANULARITIES}, got {granularity!r}")
+    if not pairs:
+        return
+    if (src.block_size, src.num_layers, src.dtype) != (dst.block_size, dst.num_layers, dst.dtype):
+        raise ValueError(f"cannot swap between differently shaped caches: {src} and {dst}")
+    if granularity == "layer":
+        for s, d in pairs:
+            for layer in range(src.num_layers):
+                dst.k_caches[layer][d].copy_(src.k_caches[layer][s])
+                dst.v_caches[layer][d].copy_(src.v_caches[layer][s])
+        return
+    idx = torch.as_tensor(pairs, dtype=torch.long).view(-1, 2)
+    staged = src.data.index_select(2, idx[:, 0].to(src.data.device))
+    staged = staged.to(dst.data.device)   # blocking: the host side reads it next
+    dst.data.index_copy_(2, idx[:, 1].to(dst.data.device), staged)

@@ -29,7 +29,7 @@ import torch
 
 from ..utils import cdiv
 from .kv_cache import KVCache
-from .llama import AttentionMetadata, LlamaModel, ModelSpec
+from .llama import AttentionMetadata, LlamaModel, ModelSpec, can_pack_linears
 from .loader import LoadedModel, load_model
 
 
@@ -213,6 +213,11 @@ class ModelRunner:
 
         self.ops, self.attention_backend_reason = _resolve_backend(attention_backend, self.device)
         self.attention_backend = getattr(self.ops, "name", type(self.ops).__name__)
+        # The CPU backend is the fast path: its matmuls use oneDNN's packed weights too. The
+        # "torch" backend keeps the plain ones, the reference chapters 5 and 6 read.
+        self.packed_linears = self.attention_backend == "cpu" and can_pack_linears(self.device, dtype)
+        if self.packed_linears:
+            self.model.pack_linears()
         self.block_size = block_size
         self.kv_cache = KVCache.from_config(self.config, block_size, num_blocks, kv_budget_bytes, dtype, self.device)
         self.num_blocks = self.kv_cache.num_blocks

@@ -5,7 +5,7 @@ from typing import Iterable
 
 from ..memory import BlockAllocator
 from .records import ScheduledSeq, SchedulerOutput, StepRecord, held_slot_fill, kv_cache_usage
-from .scheduler import Scheduler
+from .scheduler import PREEMPTION_MODES, Scheduler
 from .static import StaticScheduler
 
 POLICIES = ("continuous", "static")
@@ -14,18 +14,26 @@ POLICIES = ("continuous", "static")
 def make_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int = 64,
                    max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                    max_model_len: int | None = None, watermark: float = 0.01,
-                   eos_token_ids: Iterable[int] = (), reserve: str = "max_tokens") -> Scheduler:
+                   eos_token_ids: Iterable[int] = (), reserve: str = "max_tokens",
+                   preemption_mode: str = "recompute", num_host_blocks: int = 0) -> Scheduler:
     """The scheduler for ``policy`` ("continuous" or "static") on ``allocator``.
 
     Takes every option of both policies, so callers can switch policy alone; each policy
     reads its own: the static baseline has no token budget, chunking or watermark (its
     batch is prefilled whole), and continuous batching reserves nothing (no ``reserve``).
     A misspelled option is a ``TypeError``, an unknown policy a ``ValueError``.
+
+    ``preemption_mode`` ("recompute" or "swap", with ``num_host_blocks`` host blocks)
+    says what continuous batching does with a victim's KV; the static baseline reserves
+    every request's room up front and never preempts, so it has no host pool.
     """
+    if preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
     if policy == "continuous":
         return Scheduler(allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len,
-                         watermark=watermark, eos_token_ids=eos_token_ids)
+                         watermark=watermark, eos_token_ids=eos_token_ids,
+                         preemption_mode=preemption_mode, num_host_blocks=num_host_blocks)
     if policy == "static":
         return StaticScheduler(allocator, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                reserve=reserve, eos_token_ids=eos_token_ids)
@@ -33,4 +41,4 @@ def make_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int 
 
 
 __all__ = ["Scheduler", "StaticScheduler", "ScheduledSeq", "SchedulerOutput", "StepRecord",
-           "POLICIES", "make_scheduler", "kv_cache_usage", "held_slot_fill"]
+           "POLICIES", "PREEMPTION_MODES", "make_scheduler", "kv_cache_usage", "held_slot_fill"]

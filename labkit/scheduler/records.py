@@ -68,6 +68,13 @@ class SchedulerOutput:
     copies: list[tuple[int, int]]           # (src block, dst block) KV copies to do first
     preempted: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0              # prompt tokens admitted from the prefix cache
+    # Preemption by swapping: block copies the executor makes, swap-out first, then
+    # swap-in, then the copy-on-write ``copies``, all before the batch runs.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
+    swapped_out: list[Sequence] = field(default_factory=list)       # sequences swapped out now
+    swapped_in: list[Sequence] = field(default_factory=list)        # sequences swapped back in now
+    block_size: int = 0                     # tokens per block (a swap's cost depends on it)
 
     @property
     def num_tokens(self) -> int:
@@ -104,3 +111,9 @@ class StepRecord:
     finished: list[str]             # request ids that finished in this iteration
     num_cached_tokens: int          # prompt tokens served from the prefix cache at admission
     num_copies: int                 # copy-on-write block copies
+    swapped_out: list[str] = field(default_factory=list)   # request ids swapped out to host blocks
+    swapped_in: list[str] = field(default_factory=list)    # request ids swapped back in
+    num_swapped: int = 0            # sequences waiting in host blocks at the iteration's end
+    # Blocks the sequences holding blocks would hold if nothing were shared: the sum of their
+    # block tables' lengths. Blocks saved by sharing = num_logical_blocks - num_used_blocks.
+    num_logical_blocks: int = 0

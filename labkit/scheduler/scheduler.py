@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Iterable
 
+from ..beam_search import BeamSearch
 from ..memory import BlockAllocator, BlockTable
 from ..request import Request, Sequence, Status
 from ..utils import cdiv
@@ -35,6 +36,8 @@ from .records import ScheduledSeq, SchedulerOutput, StepRecord, held_slot_fill, 
 # Called for each sequence that just gained a token, before the token-level stop checks:
 # True when its text now contains a stop string (the engine's detokenizer answers).
 StopStringCheck = Callable[[Sequence], bool]
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 class Scheduler:
@@ -56,7 +59,14 @@ class Scheduler:
         max_model_len: int | None = None,
         watermark: float = 0.01,
         eos_token_ids: Iterable[int] = (),
+        preemption_mode: str = "recompute",
+        num_host_blocks: int = 0,
     ):
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if preemption_mode == "swap" and (not isinstance(num_host_blocks, int) or num_host_blocks < 1):
+            raise ValueError("preemption_mode='swap' needs a host pool: num_host_blocks must be a positive "
+                             f"integer, got {num_host_blocks!r}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -81,12 +91,33 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.num_cached_prompt_tokens = 0
+        self.num_beam_forks = 0           # beams forked from a parent beam (beam search)
+        self.num_beam_deaths = 0          # beams that no candidate continued: freed at once
+
+        # Preemption by swapping (vLLM v0's preemption_mode="swap"): a victim's blocks are
+        # copied to a pool of host blocks with its own allocator, and copied back later.
+        self.preemption_mode = preemption_mode
+        self.host_allocator: BlockAllocator | None = (
+            BlockAllocator(num_host_blocks, self.block_size) if preemption_mode == "swap" else None)
+        self.swapped: deque[Sequence] = deque()  # oldest admission first; their tables hold host blocks
+        self.num_swap_outs = 0            # sequences swapped out
+        self.num_swap_ins = 0             # sequences swapped back in
+        self.num_swapped_blocks_out = 0   # block copies device -> host
+        self.num_swapped_blocks_in = 0    # block copies host -> device
+        self.num_swap_fallbacks = 0       # swap preemptions that recomputed: the host pool was full
+        # This iteration's swaps, gathered by _preempt / the swap-in phase for SchedulerOutput.
+        self._step_swap_out: list[tuple[int, int]] = []
+        self._step_swap_map: dict[int, int] = {}   # device block -> its host copy, this iteration
+        self._step_swapped_out: list[Sequence] = []
 
     # ---- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise ``ValueError`` saying why it can never be served.
         A rejected request changes nothing."""
         self.check_request(request)
+        if request.beam is not None:
+            request.beam_search = BeamSearch(request.beam, self.eos_token_ids,
+                                             self._max_len(request) - len(request.prompt_token_ids))
         self.requests[request.request_id] = request
         self.waiting.extend(request.seqs)
 
@@ -121,6 +152,30 @@ class Scheduler:
                 f"request {rid!r}: needs room for {self._tokens_to_hold(request, longest)} tokens "
                 f"but the whole KV cache holds {capacity} "
                 f"({self.allocator.num_blocks} blocks x {self.block_size})")
+        if request.beam is not None:
+            self._check_beams(request, longest)
+
+    def _check_beams(self, request: Request, longest: int) -> None:
+        """A beam-search request must fit as a whole: its beams step together, so all of them
+        run in one batch, and after a preemption by recompute each beam holds its own copy
+        of every block (sharing resumes only at the next forks)."""
+        rid, k = request.request_id, request.beam.beam_width
+        if k > self.max_num_seqs:
+            raise ValueError(f"request {rid!r}: beam_width={k} beams exceed max_num_seqs={self.max_num_seqs} "
+                             "(the beams of a request run in the same batch)")
+        if k > self.max_num_batched_tokens:
+            raise ValueError(f"request {rid!r}: beam_width={k} beams exceed max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}: they could never decode in one iteration")
+        if not self.enable_chunked_prefill and k * longest > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {rid!r}: beam_width x (prompt + max_tokens) = {k} x {longest} tokens exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} and chunked prefill is off: once "
+                "preempted, its beams could never be recomputed together")
+        blocks = k * cdiv(self._tokens_to_hold(request, longest), self.block_size)
+        if blocks > self.allocator.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: beam_width={k} beams of up to {longest} tokens may need {blocks} blocks "
+                f"(each its own copy after a preemption), but the KV cache has {self.allocator.num_blocks}")
 
     def _max_len(self, request: Request) -> int:
         """The most tokens one sequence of ``request`` can reach: prompt + max_tokens,
@@ -155,6 +210,8 @@ class Scheduler:
             return None
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+        elif seq.status is Status.SWAPPED:
+            self.swapped.remove(seq)     # its table holds host blocks: _release frees them
         else:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
@@ -180,6 +237,27 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        """Sequences whose KV waits in host blocks (preempted by swapping)."""
+        return len(self.swapped)
+
+    def swap_stats(self) -> dict:
+        """The swapping counters, for ``LLM.stats()`` and the simulator's metrics
+        (``docs/swapping.md`` defines each)."""
+        host = self.host_allocator
+        return {
+            "preemption_mode": self.preemption_mode,
+            "num_swapped": self.num_swapped,
+            "num_swap_outs": self.num_swap_outs,
+            "num_swap_ins": self.num_swap_ins,
+            "num_swapped_blocks_out": self.num_swapped_blocks_out,
+            "num_swapped_blocks_in": self.num_swapped_blocks_in,
+            "num_swap_fallbacks": self.num_swap_fallbacks,
+            "num_host_blocks": host.num_blocks if host is not None else 0,
+            "num_free_host_blocks": host.num_free_blocks if host is not None else 0,
+        }
+
     # ---- one iteration -----------------------------------------------------------
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         """Plan the next iteration; the block tables grow to cover the tokens it computes.
@@ -189,18 +267,21 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
+        self._step_swap_out, self._step_swap_map, self._step_swapped_out = [], {}, []
 
-        # 1. Running sequences, oldest first. If memory runs out, the newest give way.
+        # 1. Running sequences, oldest first. If memory runs out, the newest give way
+        #    (a beam-search request's beams are planned, and give way, together).
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.request.beam is not None:
+                i, budget = self._schedule_beams(i, budget, scheduled, copies, preempted)
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             table = seq.block_table
             while table.blocks_needed(num_new) > self.allocator.num_free_blocks:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
+                self._preempt_newest(i, preempted)
+                if seq.status is not Status.RUNNING:
                     break
             if seq.status is not Status.RUNNING:
                 break                   # it preempted itself: it was the newest left
@@ -210,13 +291,43 @@ class Scheduler:
                 budget -= num_new
             i += 1
 
+        # 1b. Swapped sequences come back before any new request is admitted (vLLM v0's
+        #     order), a request at a time, oldest first; not in an iteration that preempted.
+        swap_in: list[tuple[int, int]] = []
+        swapped_in: list[Sequence] = []
+        if self.swapped and not preempted:
+            budget = self._swap_in_phase(budget, scheduled, copies, swap_in, swapped_in)
+
         # 2. Waiting requests, in order, while budgets and blocks allow (not in an
-        #    iteration that had to preempt: memory is short, admitting would thrash).
+        #    iteration that had to preempt: memory is short, admitting would thrash;
+        #    nor while a request waits in host memory: it goes first).
         num_cached = 0
-        if not preempted and self._batch_may_grow():
+        if not preempted and not self.swapped and self._batch_may_grow():
             width = self._num_seq_slots_promised() if self.waiting else 0
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
+                if seq.request.beam is not None:
+                    # A beam-search request's waiting beams are admitted together, or not yet.
+                    group = [s for s in self.waiting if s.request is seq.request]
+                    group_width = sum(s.request.width for s in group)
+                    if width + group_width > self.max_num_seqs:
+                        break
+                    plans = self._admit_beams(group, budget)
+                    if plans is None:
+                        break
+                    width += group_width
+                    for member, (num_new, new_copies) in zip(group, plans):
+                        self.waiting.remove(member)
+                        member.status = Status.RUNNING
+                        self.running.append(member)
+                        num_cached += member.num_cached_tokens
+                        copies += new_copies
+                        if num_new:
+                            scheduled.append(self._scheduled(member, num_new))
+                        budget -= num_new
+                    if seq.request.first_scheduled_time is None:
+                        seq.request.first_scheduled_time = now
+                    continue
                 seq_width = seq.request.width
                 if width + seq_width > self.max_num_seqs:
                     break
@@ -238,7 +349,94 @@ class Scheduler:
         # Prefill chunks first, then decodes: the layout the model runner packs.
         scheduled.sort(key=lambda s: not s.is_prefill)
         self.num_cached_prompt_tokens += num_cached
-        return SchedulerOutput(self.step, scheduled, copies, preempted, num_cached)
+        return SchedulerOutput(self.step, scheduled, copies, preempted, num_cached,
+                               swap_out=self._step_swap_out, swap_in=swap_in,
+                               swapped_out=self._step_swapped_out, swapped_in=swapped_in,
+                               block_size=self.block_size)
+
+    # ---- beam search: a request's beams are planned, preempted and admitted together ------
+    def _preempt_newest(self, first: int, preempted: list[Sequence]) -> None:
+        """Preempt the newest running sequence. A beam takes its sibling beams with it (those
+        at index >= ``first``, not yet planned in this iteration): beams can only step
+        together, so a beam left running alone would hold blocks and wait."""
+        victim = self.running.pop()
+        group = [victim]
+        if victim.request.beam is not None:
+            group += [s for s in self.running[first:] if s.request is victim.request]
+            for s in group[1:]:
+                self.running.remove(s)
+        for s in group:
+            self._preempt(s)
+            preempted.append(s)
+
+    def _schedule_beams(self, i: int, budget: int, scheduled: list[ScheduledSeq],
+                        copies: list[tuple[int, int]], preempted: list[Sequence]) -> tuple[int, int]:
+        """Phase 1 for the beams of one request, ``running[i]`` the first of them (a request's
+        running beams sit next to each other: forks go after their parent, groups are
+        admitted and swapped in together). Each beam computes its missing tokens, but its
+        last one (whose log-probabilities feed the beam step) only in an iteration where
+        every beam of the request computes its last one: beams step together. When the
+        blocks run short the newest sequences give way, maybe these beams themselves.
+        Returns (index of the next sequence to plan, token budget left)."""
+        request = self.running[i].request
+        end = i
+        while end < len(self.running) and self.running[end].request is request:
+            end += 1
+        group = self.running[i:end]
+        todo = [s.num_uncomputed_tokens for s in group]
+        last = len(group) == len(request.live_beams) and sum(todo) <= budget
+        plan, left = [], budget
+        for t in todo:
+            n = max(0, min(t if last else t - 1, left))
+            plan.append(n)
+            left -= n
+        while self._beam_blocks_needed(group, plan) > self.allocator.num_free_blocks:
+            self._preempt_newest(i, preempted)
+            if group[0].status is not Status.RUNNING:
+                return i, budget        # they preempted themselves: they were the newest left
+        for seq, n in zip(group, plan):
+            if n:
+                copies += self._grow(seq, n)
+                scheduled.append(self._scheduled(seq, n))
+        return end, left
+
+    def _beam_blocks_needed(self, group: list[Sequence], plan: list[int]) -> int:
+        """Blocks that growing each beam of ``group`` by ``plan`` tokens takes, copy-on-write
+        counted exactly: of m beams writing into a shared, partly filled last block, all m
+        copy it if someone else holds it too, else m - 1 (the last writer holds it alone)."""
+        need, writers = 0, {}
+        for seq, n in zip(group, plan):
+            if not n:
+                continue
+            table = seq.block_table
+            shared = table.num_tokens % self.block_size and self.allocator.ref_count(table.block_ids[-1]) > 1
+            need += table.blocks_needed(n) - bool(shared)
+            if shared:
+                writers[table.block_ids[-1]] = writers.get(table.block_ids[-1], 0) + 1
+        for block, m in writers.items():
+            need += m if self.allocator.ref_count(block) > m else m - 1
+        return need
+
+    def _admit_beams(self, group: list[Sequence], budget: int) -> list[tuple[int, list]] | None:
+        """Admit every waiting beam of one request, or none (returns None, changing nothing
+        but prefix-cache recency). As in phase 1, a beam computes its last token only if
+        all of them can in this iteration."""
+        hits = [len(BlockTable(self.allocator).peek_cached_prefix(s.token_ids, len(s.token_ids) - 1))
+                * self.block_size for s in group]
+        last = sum(len(s.token_ids) - h for s, h in zip(group, hits)) <= budget
+        plans, left = [], budget
+        for seq, h in zip(group, hits):
+            cap = left if last else max(0, min(left, len(seq.token_ids) - 1 - h))
+            admitted = self._admit(seq, cap)
+            if admitted is None:
+                for done in group[:len(plans)]:     # undo: the group waits whole
+                    done.block_table.free()
+                    done.block_table = None
+                    done.num_computed_tokens = done.num_cached_tokens = 0
+                return None
+            plans.append(admitted)
+            left -= admitted[0]
+        return plans
 
     def _num_seq_slots_promised(self) -> int:
         """Batch slots the running sequences will fill: an n > 1 request that has not
@@ -299,27 +497,149 @@ class Scheduler:
         return num_new, self._grow(seq, num_new)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop the KV, keep every token, go to the queue's head."""
+        """Take ``seq`` out of the running batch, keeping every token.
+
+        In "swap" mode its KV blocks are copied to host blocks and it waits in ``swapped``,
+        its ``num_computed_tokens`` kept (``_swap_out``). In "recompute" mode, or when the
+        host pool cannot take its blocks (counted in ``num_swap_fallbacks``), its KV is
+        dropped and it goes to the head of the waiting queue, to be prefilled again.
+        """
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # A table holding more than the computed tokens (grown for this iteration already)
+        # has slots with no K/V yet to copy: such a sequence is recomputed.
+        if self.preemption_mode == "swap" and seq.block_table.num_tokens == seq.num_computed_tokens:
+            if self._swap_out(seq):
+                return
+            self.num_swap_fallbacks += 1
         seq.block_table.free()
         seq.block_table = None
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _swap_out(self, seq: Sequence) -> bool:
+        """Preempt by swapping: move ``seq``'s blocks to host blocks (the executor copies
+        them, device -> host, before this iteration's batch runs). Returns False, changing
+        nothing, when the host pool has too few free blocks.
+
+        Shared blocks: a device block that a sequence swapped out earlier in this iteration
+        also held (its n > 1 siblings, its beams, a prefix-cache hit) is copied once and
+        its host copy shared by reference count, as on the device. One still held by a
+        running sequence is copied, and the runner keeps it. The freed device blocks keep
+        their K/V until the copies have read them (swap-out comes first), so prefix-cache
+        registrations stay true.
+        """
+        table = seq.block_table
+        together = [seq]
+        if seq.request.beam is not None:
+            # Beams are swapped all or none: with those preempted beside it (running, out of
+            # the running list), unless one of them already had to be recomputed.
+            if any(s.status is Status.WAITING for s in seq.request.seqs):
+                return False
+            together = [s for s in seq.request.seqs if s.status is Status.RUNNING and s not in self.running]
+        new = {b for s in together for b in s.block_table.block_ids} - self._step_swap_map.keys()
+        if len(new) > self.host_allocator.num_free_blocks:
+            return False
+        host_table, pairs = _move_blocks(table, self.host_allocator, self._step_swap_map)
+        device_blocks = list(table.block_ids)
+        table.free()
+        for b in device_blocks:
+            if self.allocator.ref_count(b) == 0:    # free now: it may be reused this iteration
+                del self._step_swap_map[b]
+        seq.block_table = host_table
+        seq.status = Status.SWAPPED
+        self.swapped.appendleft(seq)            # victims go newest first: oldest stays ahead
+        self._step_swap_out += pairs
+        self._step_swapped_out.append(seq)
+        self.num_swap_outs += 1
+        self.num_swapped_blocks_out += len(pairs)
+        return True
+
+    def _swap_in_phase(self, budget: int, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]],
+                       swap_in: list[tuple[int, int]], swapped_in: list[Sequence]) -> int:
+        """Bring swapped requests back, oldest first, while device blocks, batch slots and
+        tokens allow, and schedule them in this iteration. All of a request's swapped
+        sequences come back at once (beams return together), except when nothing else
+        runs and they do not all fit: then as many as fit, so that nobody waits forever.
+        Returns the token budget left."""
+        width = self._num_seq_slots_promised()
+        while self.swapped and budget > 0:
+            request = self.swapped[0].request
+            group = [s for s in self.swapped if s.request is request]
+            while group:
+                plan = self._swap_in_plan(group, budget)
+                seq_width = sum(s.request.width for s in group)
+                if plan is not None and width + seq_width <= self.max_num_seqs:
+                    break
+                if self.running:
+                    return budget           # FCFS: wait until running sequences make room
+                group.pop()
+            if not group:
+                return budget
+            moved: dict[int, int] = {}          # host block -> its device copy
+            for seq in group:
+                self.swapped.remove(seq)
+                host_table = seq.block_table
+                seq.block_table, pairs = _move_blocks(host_table, self.allocator, moved)
+                host_table.free()
+                swap_in += pairs
+                self.num_swapped_blocks_in += len(pairs)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                swapped_in.append(seq)
+            self.num_swap_ins += len(group)
+            width += seq_width
+            for seq, num_new in zip(group, plan):   # grow once every table is rebuilt: a
+                if num_new:                         # shared last block is then copied on write
+                    copies += self._grow(seq, num_new)
+                    scheduled.append(self._scheduled(seq, num_new))
+                    budget -= num_new
+        return budget
+
+    def _swap_in_plan(self, group: list[Sequence], budget: int) -> list[int] | None:
+        """Tokens each sequence of ``group`` would compute if swapped in now, or None when
+        the token budget or the device blocks (for its host blocks, each copied once, and
+        for its growth, copy-on-write included) do not allow it."""
+        bs = self.block_size
+        holders: dict[int, int] = {}
+        for seq in group:
+            for b in seq.block_table.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        need, plan = len(holders), []
+        for seq in group:
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            # A beam that computed its token before it was swapped waits for its siblings:
+            # it computes nothing now (0), but must come back with them.
+            if seq.num_uncomputed_tokens and (
+                    num_new < 1 or (num_new < seq.num_uncomputed_tokens and not self.enable_chunked_prefill)):
+                return None
+            budget -= num_new
+            plan.append(num_new)
+            table, computed = seq.block_table, seq.num_computed_tokens
+            need += cdiv(computed + num_new, bs) - len(table.block_ids)
+            if computed % bs and holders[table.block_ids[-1]] > 1:
+                need += 1                   # the shared, partly filled last block: copy-on-write
+        reserve = self.watermark_blocks if self.running else 0
+        return plan if need <= self.allocator.num_free_blocks - reserve else None
 
     # ---- after the executor ------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: list[list[int]], now: float,
-               stop_string: StopStringCheck | None = None) -> list[Request]:
+               stop_string: StopStringCheck | None = None,
+               logprobs: list[list[dict] | None] | None = None) -> list[Request]:
         """Record what the iteration computed and sampled; finish what is done.
 
         ``sampled[i]`` holds the tokens sampled for ``output.scheduled[i]`` (as many as its
         ``num_samples``). ``stop_string``, if given, is asked about each sequence that
         gained a token, before its stop tokens and length (a stop string wins, as in vLLM).
+        ``logprobs[i]`` (the executor's, one ``{token: Logprob}`` per sample) feeds the
+        beams of beam-search requests: they take no sampled token, but a beam step
+        (``_beam_step``) once every beam of the request has its log-probabilities.
         Returns the requests that finished in this iteration.
         """
         finished: list[Request] = []
-        for item, tokens in zip(output.scheduled, sampled, strict=True):
+        beam_requests: dict[str, Request] = {}
+        for k, (item, tokens) in enumerate(zip(output.scheduled, sampled, strict=True)):
             seq = item.seq
             if seq.status is not Status.RUNNING:
                 continue                       # aborted while the batch ran
@@ -332,6 +652,13 @@ class Scheduler:
             if len(tokens) != item.num_samples:
                 raise ValueError(f"{seq}: expected {item.num_samples} sampled tokens, got {len(tokens)}")
             request = seq.request
+            if request.beam is not None:
+                entry = logprobs[k][0] if logprobs is not None and logprobs[k] else None
+                if entry is None:
+                    raise ValueError(f"{seq}: beam search needs the executor's log-probabilities, got none")
+                seq.beam_logprobs = {t: lp.logprob for t, lp in entry.items()}
+                beam_requests[request.request_id] = request
+                continue
             family = [seq]
             if not request.forked:
                 family += self._fork(seq, len(tokens) - 1)
@@ -349,15 +676,76 @@ class Scheduler:
                     done = self.finish_sequence(member, reason, now)
                     if done is not None:
                         finished.append(done)
+        for seq in output.swapped_in:           # beams back from host memory may be ready
+            if seq.request.beam is not None:
+                beam_requests.setdefault(seq.request.request_id, seq.request)
+        for request in beam_requests.values():
+            done = self._beam_step(request, now)
+            if done is not None:
+                finished.append(done)
         return finished
 
+    def _beam_step(self, request: Request, now: float) -> Request | None:
+        """Once every live beam of ``request`` has its next-token log-probabilities: one step
+        of beam search (``labkit.beam_search``), applied to the sequences. Beams that no
+        candidate continues die first (their blocks return at once, before anyone copies);
+        then each surviving parent keeps its first child in its own sequence and forks
+        one sequence per further child, sharing every block (the partly filled last block
+        is copied on write when the children append). Returns the request when the search
+        is over (its hypotheses are ``request.beam_search.outputs()``), else None."""
+        beams = request.live_beams
+        if any(b.beam_logprobs is None or b.status is not Status.RUNNING for b in beams):
+            return None                         # a beam is still computing: they step together
+        search = request.beam_search
+        length = beams[0].num_output_tokens + 1
+        step = search.step([(b.output_token_ids, b.cumulative_logprob, b.beam_logprobs) for b in beams], length)
+        for b in beams:
+            b.beam_logprobs = None
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if step.done:
+            reason = "length" if length >= search.max_new_tokens else "stop"
+            retired = None
+            for b in beams:
+                retired = self.finish_sequence(b, reason, now) or retired
+            return retired
+        children: list[list] = [[] for _ in beams]
+        for c in step.running:
+            children[c.parent].append(c)
+        for b, kids in zip(beams, children):
+            if not kids:
+                self.finish_sequence(b, "pruned", now)
+                self.num_beam_deaths += 1
+        for b, kids in zip(beams, children):
+            if kids:
+                family = [b] + self._fork(b, len(kids) - 1)
+                self.num_beam_forks += len(kids) - 1
+                for member, c in zip(family, kids):
+                    member.token_ids.append(c.token)
+                    member.cumulative_logprob = c.cum_logprob
+                    self.num_generated_tokens += 1
+        request.forked = True
+        return None
+
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
-        """Parallel sampling: ``count`` children share the parent's blocks (copy-on-write)."""
+        """Parallel sampling and beam search: ``count`` children share the parent's blocks
+        (copy-on-write)."""
+        return self._make_children(parent, count, None)
+
+    def _make_children(self, parent: Sequence, count: int, reserve: int | None) -> list[Sequence]:
+        """``_fork``, or with ``reserve`` given (the static baseline), children that share
+        nothing: each gets a table of its own reserving ``reserve`` tokens, holding the
+        parent's tokens (the caller copies their KV)."""
         children = []
         at = self.running.index(parent) + 1
         for _ in range(count):
             child = Sequence(parent.request, list(parent.token_ids), index=len(parent.request.seqs))
-            child.block_table = parent.block_table.fork()
+            if reserve is None:
+                child.block_table = parent.block_table.fork()
+            else:
+                child.block_table = BlockTable(self.allocator)
+                child.block_table.reserve(reserve)
+                child.block_table.append_tokens(parent.token_ids[:parent.num_computed_tokens], computed=False)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             if parent.logprobs is not None:
@@ -417,6 +805,8 @@ class Scheduler:
             else:
                 decode += item.num_new_tokens
         alloc = self.allocator
+        logical = sum(len(s.block_table.block_ids) for s in self.sequences_holding_blocks()
+                      if s.block_table is not None)
         return StepRecord(
             step=output.step, time_s=time_s, duration_s=duration_s, ran=ran,
             num_prefill_tokens=prefill, num_decode_tokens=decode,
@@ -428,4 +818,32 @@ class Scheduler:
             finished=[r.request_id for r in finished],
             num_cached_tokens=output.num_cached_tokens,
             num_copies=len(output.copies),
+            swapped_out=[s.request.request_id for s in output.swapped_out],
+            swapped_in=[s.request.request_id for s in output.swapped_in],
+            num_swapped=len(self.swapped),
+            num_logical_blocks=logical,
         )
+
+
+def _move_blocks(table: BlockTable, dst: BlockAllocator,
+                 moved: dict[int, int]) -> tuple[BlockTable, list[tuple[int, int]]]:
+    """A table holding ``table``'s tokens on blocks of ``dst`` (the other pool), and the
+    ``(source block, destination block)`` copies that fill them. ``moved`` maps source
+    blocks already copied in this move: a block shared by several tables is copied once
+    and its copy shared by reference count; it gains the new copies. ``table`` is left
+    as it was (its caller frees it). The new table republishes its full blocks to the
+    prefix cache once they have been computed there (``cache_computed_blocks``)."""
+    new = BlockTable(dst)
+    pairs: list[tuple[int, int]] = []
+    for src in table.block_ids:
+        to = moved.get(src)
+        if to is None:
+            to = moved[src] = dst.allocate()
+            pairs.append((src, to))
+        else:
+            dst.incref(to)
+        dst.set_fill(to, table.allocator.fill(src))
+        new.block_ids.append(to)
+    new.token_ids = list(table.token_ids)
+    new.num_cached_tokens = table.num_cached_tokens
+    return new, pairs

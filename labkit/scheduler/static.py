@@ -8,6 +8,12 @@ keep their reservation until the batch ends. Prompts are prefilled all at once, 
 
 It is the continuous scheduler with three policy hooks changed, running on the same
 block manager, so that comparisons measure the policy and nothing else.
+
+Beam search, done the naive way: each beam reserves its own maximum length (a request
+reserves ``beam_width`` of them when admitted), and a fork copies every block its parent
+has filled into the child's reservation (what reordering a contiguous KV cache costs), so
+nothing is shared. A beam that dies gives its reservation back at once, for a fork of the
+same step to take.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class StaticScheduler(Scheduler):
                          watermark=0.0, eos_token_ids=eos_token_ids)
         self.reserve = reserve
         self._held: list[Sequence] = []   # finished, blocks kept until the batch ends
+        self._fork_copies: list[tuple[int, int]] = []   # beam forks' block copies, for the next plan
 
     def check_request(self, request: Request) -> None:
         if request.params.n != 1:
@@ -65,18 +72,47 @@ class StaticScheduler(Scheduler):
     def _batch_may_grow(self) -> bool:
         return not self.running and not self._held
 
+    def _reservation(self, request: Request) -> int:
+        return self._tokens_to_hold(request, self._max_len(request))
+
+    def _promised_blocks(self) -> int:
+        """Blocks promised to the beams that admitted beam requests fork into after their
+        prefill: they reserve then, and must find the room."""
+        return sum((s.request.width - 1) * cdiv(self._reservation(s.request), self.block_size)
+                   for s in self.running if s.request.beam is not None)
+
     def _admit(self, seq: Sequence, budget: int):
-        reservation = self._tokens_to_hold(seq.request, self._max_len(seq.request))
-        if cdiv(reservation, self.block_size) > self.allocator.num_free_blocks:
+        reservation = self._reservation(seq.request)
+        need = cdiv(reservation, self.block_size) * seq.request.width
+        if need + self._promised_blocks() > self.allocator.num_free_blocks:
             return None
         table = BlockTable(self.allocator)
         table.reserve(reservation)
         seq.block_table = table
         return len(seq.token_ids), self._grow(seq, len(seq.token_ids))
 
+    def schedule(self, now: float = 0.0):
+        plan = super().schedule(now)
+        # Fork copies first: they fill the children's reservations from their parents'
+        # blocks before any beam writes its next token.
+        plan.copies[:0] = self._fork_copies
+        self._fork_copies = []
+        return plan
+
+    def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
+        """A beam fork without sharing: each child reserves its own maximum length and
+        gets a copy of every block the parent has filled."""
+        children = super()._make_children(parent, count, self._reservation(parent.request))
+        for child in children:
+            filled = cdiv(child.num_computed_tokens, self.block_size)
+            self._fork_copies += zip(parent.block_table.block_ids[:filled], child.block_table.block_ids[:filled])
+        return children
+
     def _release(self, seq: Sequence, reason: str) -> None:
-        if reason == "abort":
-            super()._release(seq, reason)   # its client is gone: no reason to hold its memory
+        if reason in ("abort", "pruned"):
+            # Its client is gone, or the beam died: no reason to hold its memory (a dead
+            # beam's reservation goes to the fork that replaces it).
+            super()._release(seq, reason)
         else:
             self._held.append(seq)
 

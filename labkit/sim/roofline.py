@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .cost_model import BatchShape
+from .cost_model import BatchShape, SwapLink, measure_memcpy
 
 #: Queries that share one load of a key/value in prefill attention (a FlashAttention tile).
 PREFILL_QUERY_TILE = 128
@@ -135,6 +135,9 @@ MODELS: dict[str, ModelSpec] = {
     # meta-llama/Meta-Llama-3-8B and -70B config.json, bf16
     "llama-3-8b": ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, 2),
     "llama-3-70b": ModelSpec("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256, 2),
+    # meta-llama/Llama-2-13b-hf config.json, fp16: multi-head attention (40 KV heads), so
+    # 800 KiB of KV per token like the paper's OPT-13B (the swapping chapter's default)
+    "llama-2-13b": ModelSpec("Llama-2-13B", 40, 5120, 40, 40, 128, 13824, 32000, 2),
 }
 
 
@@ -154,6 +157,7 @@ class HardwareSpec:
     combine: str = "max"           # "max": loads overlap math (GPU); "sum": they do not (CPU fit)
     link_bandwidth: float = 50e9   # bytes/s per direction to another instance (KV transfer)
     source: str = ""
+    host_link: str = "pcie4-x16"   # the link to host memory that swapped KV blocks cross (HOST_LINKS)
 
     @property
     def flops(self) -> float:
@@ -174,18 +178,21 @@ class HardwareSpec:
 # NVLink figures are per direction (A100: 600 GB/s total, H100/H200: 900 GB/s total).
 HARDWARE: dict[str, HardwareSpec] = {
     "a100-80gb": HardwareSpec("A100-80GB-SXM", 312e12, 2.039e12, 80e9, link_bandwidth=300e9,
-                              source="NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e"),
+                              source="NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e",
+                              host_link="pcie4-x16"),
     "h100-sxm": HardwareSpec("H100-SXM", 989e12, 3.35e12, 80e9, link_bandwidth=450e9,
-                             source="NVIDIA H100 datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3"),
+                             source="NVIDIA H100 datasheet: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3",
+                             host_link="pcie5-x16"),
     "h200": HardwareSpec("H200-SXM", 989e12, 4.8e12, 141e9, link_bandwidth=450e9,
-                         source="NVIDIA H200 datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e"),
+                         source="NVIDIA H200 datasheet: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e",
+                         host_link="pcie5-x16"),
     # Fitted (least squares) to transformers' fp32 decode steps of SmolLM2-135M on the 2-core
     # development CPU: batch 1: 38 ms (32 ms in matmuls), batch 16 at context 300: 88 ms,
     # batch 64: 219 ms (shared/bench/README.md). The figures are achieved, so efficiency 1.
     # "sum": compute and memory do not overlap there. KV "link": a memcpy between processes.
     "cpu-2core": HardwareSpec("2-core Zen 5 CPU (transformers fp32 fit)", 140.3e9, 17.88e9, 24 * 2**30,
                               flops_efficiency=1.0, bandwidth_efficiency=1.0, overhead_s=0.0083,
-                              combine="sum", link_bandwidth=10e9,
+                              combine="sum", link_bandwidth=10e9, host_link="cpu-memcpy",
                               source="fit to peer decode-step timings, shared/bench/README.md"),
     # The same machine with vLLM's CPU kernels: cpu-2core's FLOP/s and bandwidth scaled up
     # (overhead down) by one factor, 2.33, chosen so that the simulator serves the peer
@@ -194,7 +201,7 @@ HARDWARE: dict[str, HardwareSpec] = {
     # One number calibrates one factor: the split between compute and memory is cpu-2core's.
     "cpu-2core-vllm": HardwareSpec("2-core Zen 5 CPU (vLLM fp32 fit)", 327.3e9, 41.72e9, 24 * 2**30,
                                    flops_efficiency=1.0, bandwidth_efficiency=1.0, overhead_s=0.00356,
-                                   combine="sum", link_bandwidth=10e9,
+                                   combine="sum", link_bandwidth=10e9, host_link="cpu-memcpy",
                                    source="cpu-2core scaled to vLLM's 29.5 s, shared/bench/README.md"),
 }
 
@@ -202,6 +209,20 @@ HARDWARE: dict[str, HardwareSpec] = {
 LINKS: dict[str, float] = {
     "nvlink-a100": 300e9, "nvlink-h100": 450e9, "ib-ndr-400g": 50e9, "ib-hdr-200g": 25e9,
     "pcie4-x16": 25e9, "pcie5-x16": 50e9, "ethernet-100g": 12.5e9, "cpu-memcpy": 10e9,
+}
+
+
+#: Links between device and host memory, for swapping: (bytes/s per direction achieved with
+#: pinned memory and large transfers, fixed seconds per transfer). PCIe 4.0 x16 carries
+#: 31.5 GB/s raw per direction, 5.0 x16 twice that; about 80 % is achieved. The fixed cost
+#: of one cudaMemcpyAsync (launch, DMA setup) is taken as 5 us: an assumption of the
+#: order measured for small copies, not a datasheet figure (override it with
+#: ``roofline(..., host_link=...)`` and ``HOST_LINKS``). "cpu-memcpy" is this machine's
+#: memcpy, measured once per process (``labkit.sim.cost_model.measure_memcpy``).
+HOST_LINKS: dict[str, tuple[float, float] | None] = {
+    "pcie4-x16": (25e9, 5e-6),
+    "pcie5-x16": (50e9, 5e-6),
+    "cpu-memcpy": None,
 }
 
 
@@ -305,6 +326,16 @@ class RooflineCostModel:
 
     def iteration_time(self, shape: BatchShape) -> float:
         return self.breakdown(shape)["total_s"]
+
+    @property
+    def swap_link(self) -> SwapLink:
+        """The hardware's host link as vLLM v0 used it for swapping: each block of each
+        layer's K and V a transfer of its own (``2 * num_layers`` per block)."""
+        name = self.hardware.host_link
+        if name not in HOST_LINKS:
+            raise ValueError(f"unknown host link {name!r}; presets: {', '.join(HOST_LINKS)}")
+        bandwidth, latency = HOST_LINKS[name] or measure_memcpy()
+        return SwapLink(bandwidth, latency, self.model.kv_bytes_per_token, 2 * self.model.num_layers, name=name)
 
     # -- derived numbers the notebook and the exercises use ------------------------------
     def ridge_tokens(self) -> float:

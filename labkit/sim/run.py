@@ -18,7 +18,7 @@ from ..utils import percentile, progress_bar
 from .executor import SimExecutor
 from .traces import TraceRequest
 
-__all__ = ["POLICIES", "SimResult", "make_scheduler", "percentile", "simulate", "summarize"]
+__all__ = ["POLICIES", "SimResult", "make_scheduler", "percentile", "sharing_saving", "simulate", "summarize"]
 
 
 @dataclass
@@ -33,18 +33,26 @@ class SimResult:
 
 def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_size: int = 16,
              num_blocks: int = 2048, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-             enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
+             enable_chunked_prefill: bool = True, enable_prefix_caching: bool | str = False,
              max_model_len: int | None = 2048, reserve: str = "model", watermark: float = 0.01,
              cost_model=None, vocab_size: int = 32000, keep_records: bool = True,
-             progress: bool = False, on_step=None) -> SimResult:
+             progress: bool = False, on_step=None, n: int = 1,
+             beam_width: int | None = None, preemption_mode: str = "recompute",
+             num_host_blocks: int = 0, swap_link=None) -> SimResult:
     """Serve ``trace`` under ``policy``; every output runs to its trace length (no EOS).
     ``on_step(engine)``, if given, is called before the first iteration and after each one
-    (the replay widget records snapshots with it)."""
+    (the replay widget records snapshots with it). ``n`` > 1: every request samples ``n``
+    outputs (parallel sampling); ``beam_width``: every request runs beam search of that
+    width instead (the SimExecutor's pseudo log-probabilities make its beams fork and die).
+    ``preemption_mode="swap"`` preempts by swapping to ``num_host_blocks`` host blocks, each
+    copy costed on ``swap_link`` (default: the cost model's link, see ``SwapLink``)."""
+    request_params = _request_params(n, beam_width)
     allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
     scheduler = make_scheduler(policy, allocator, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                max_num_batched_tokens=max_num_batched_tokens, watermark=watermark,
+                               preemption_mode=preemption_mode, num_host_blocks=num_host_blocks,
                                enable_chunked_prefill=enable_chunked_prefill, reserve=reserve)
-    engine = Engine(scheduler, SimExecutor(cost_model, vocab_size), keep_records=keep_records)
+    engine = Engine(scheduler, SimExecutor(cost_model, vocab_size, swap_link), keep_records=keep_records)
 
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     requests: list[Request] = []
@@ -58,7 +66,7 @@ def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_siz
         while nxt < len(order) and trace[order[nxt]].arrival_s <= engine.now:
             i = order[nxt]
             r = trace[i]
-            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+            params = request_params(r.output_len)
             requests.append(engine.add_request(r.prompt_token_ids(i, vocab_size), params,
                                                request_id=f"r{i}", arrival_time=r.arrival_s))
             nxt += 1
@@ -74,6 +82,71 @@ def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_siz
     return result
 
 
+def _request_params(n: int, beam_width: int | None):
+    """``max_tokens -> params`` for every request of a run: one greedy output, ``n`` parallel
+    samples, or beam search of ``beam_width``. Checked once, before anything runs."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    if beam_width is not None:
+        if n != 1:
+            raise ValueError(f"give n (parallel sampling) or beam_width (beam search), not both: "
+                             f"n={n}, beam_width={beam_width}")
+        from ..sampling_params import BeamSearchParams
+        BeamSearchParams(beam_width=beam_width, max_tokens=1, ignore_eos=True)   # names a bad width now
+        return lambda max_tokens: BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens,
+                                                   ignore_eos=True)
+    # The simulator's tokens do not depend on the temperature; n > 1 asks for random sampling
+    # only so that the parameters read as they would on a real model.
+    temperature = 0.0 if n == 1 else 1.0
+    return lambda max_tokens: SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                             temperature=temperature, n=n)
+
+
+def sharing_saving(records: list[StepRecord]) -> tuple[float, float]:
+    """Memory saved by sharing over a run, as the vLLM paper's Figure 15 measures it.
+
+    Each iteration, the sequences' block tables name ``num_logical_blocks`` blocks: what they
+    would hold if each had its own copy; the pool holds ``num_used_blocks``. Returns (blocks
+    saved, averaged over the iterations; saved / without sharing, summed over the iterations:
+    the fraction of the memory that sharing saved). (0.0, 0.0) for a run with no block held.
+    """
+    logical = sum(r.num_logical_blocks for r in records)
+    saved = sum(r.num_logical_blocks - r.num_used_blocks for r in records)
+    if not records or logical == 0:
+        return 0.0, 0.0
+    return saved / len(records), saved / logical
+
+
+def _swap_metrics(engine: Engine, reqs: list[Request]) -> dict:
+    """Preemption's figures: the scheduler's swap counters, the modelled seconds spent on
+    swap copies, prompt tokens recomputed, and the paper's latency metric (Figure 19b):
+    the mean over requests of latency / output tokens."""
+    sched = engine.scheduler
+    host = sched.host_allocator
+    if host is not None:
+        host.check_invariants()
+    norm = [(r.finished_time - r.arrival_time) / max(1, r.seqs[0].num_output_tokens)
+            for r in reqs if r.finished_time is not None]
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
+    return {
+        **sched.swap_stats(),
+        "swap_time_s": getattr(engine.executor, "swap_s", 0.0),
+        "recomputed_tokens": sched.num_prompt_tokens_computed + sched.num_cached_prompt_tokens - prompt_tokens,
+        "normalized_latency_s": sum(norm) / len(norm) if norm else float("nan"),
+        "leaked_host_blocks": host.num_used_blocks if host is not None else 0,
+    }
+
+
+def prefix_cache_metrics(scheduler) -> dict:
+    """The prefix cache's figures for a run: its policy, the share of admitted prompt tokens
+    it served (a prompt readmitted after a preemption counts again), and its evictions."""
+    alloc = scheduler.allocator
+    cached, computed = scheduler.num_cached_prompt_tokens, scheduler.num_prompt_tokens_computed
+    return {"prefix_caching": alloc.enable_prefix_caching or "none",
+            "prefix_hit_rate": cached / (cached + computed) if cached + computed else 0.0,
+            "prefix_cached_tokens": cached, "prefix_evictions": alloc.num_evictions}
+
+
 def summarize(result: SimResult) -> dict:
     """The benchmark's JSON fields, computed from request timings and step records."""
     reqs, recs, engine = result.requests, result.records, result.engine
@@ -87,6 +160,7 @@ def summarize(result: SimResult) -> dict:
     latency = [r.finished_time - r.arrival_time for r in reqs if r.finished_time is not None]
     tpot = [(r.finished_time - r.first_token_time) / (r.seqs[0].num_output_tokens - 1)
             for r in reqs if r.finished_time is not None and r.seqs[0].num_output_tokens > 1]
+    saved, saved_share = sharing_saving(recs)
     return {
         "policy": engine.scheduler.policy,
         "requests": len(reqs),
@@ -101,7 +175,11 @@ def summarize(result: SimResult) -> dict:
         "held_slot_fill_mean": sum(r.held_slot_fill for r in recs) / len(recs) if recs else float("nan"),
         "peak_running": max((r.num_running + len(r.finished) for r in recs), default=0),
         "num_preemptions": engine.scheduler.num_preemptions,
+        "blocks_saved_by_sharing": saved,
+        "blocks_saved_by_sharing_pct": 100 * saved_share,
         "leaked_blocks": alloc.num_used_blocks,
+        **prefix_cache_metrics(engine.scheduler),
+        **_swap_metrics(engine, reqs),
         "steps": engine.num_steps,
         "scheduler_wall_s": engine.schedule_s,
     }

@@ -13,7 +13,23 @@ at time 0 when ``rate`` is None. Everything is seeded: the same arguments, the s
 
 Files are JSON Lines, one request per line: ``{"prompt_len", "output_len", "arrival_s"}``
 and, optionally, ``"prefix_len"``: how many leading prompt tokens are a system prompt
-shared by every request that has one (the shared-prompt chatbot trace).
+shared by every request that has one (the shared-prompt chatbot trace), and ``"tokens"``:
+the prompt's token ids themselves.
+
+Workloads for prefix caching (SGLang's paper, Zheng et al. 2024, names these as where a
+radix tree shares naturally) carry their prompts' tokens (``TraceRequest.tokens``), since
+what they share is structure, not just a length:
+
+* ``multi_turn_trace``: chat sessions whose histories grow turn by turn, interleaved;
+* ``few_shot_trace``: prompts made of long examples, shared in different orders and subsets;
+* ``branching_trace``: one prompt, k continuations, each branching again on what it generated;
+* ``shared_prompt_trace``: the chatbot with one system prompt.
+
+A later turn's history (and a branch's parent thought) contains the previous request's
+*output*. In the simulator that output is the executor's deterministic stand-in
+(``dummy_token`` of request ``f"r{index}"``, the id ``simulate`` gives the trace's request
+number ``index``), so the history holds exactly the tokens whose KV the previous turn
+computed, as in a real chat. (A trace saved and replayed elsewhere keeps these tokens.)
 """
 
 from __future__ import annotations
@@ -24,6 +40,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .executor import dummy_token
+
 
 @dataclass(slots=True)
 class TraceRequest:
@@ -31,10 +49,13 @@ class TraceRequest:
     output_len: int
     arrival_s: float = 0.0
     prefix_len: int = 0
+    tokens: tuple[int, ...] | None = None    # the prompt itself, when the workload gives it
 
     def prompt_token_ids(self, index: int, vocab_size: int = 32000) -> list[int]:
-        """Deterministic token ids: the shared system prompt (same for every request),
-        then tokens that are this request's own."""
+        """The prompt's token ids: ``tokens`` when given; else deterministic ids, the shared
+        system prompt (same for every request) then tokens that are this request's own."""
+        if self.tokens is not None:
+            return list(self.tokens)
         shared = [(7 * i + 3) % vocab_size for i in range(self.prefix_len)]
         rng = random.Random(index * 1_000_003 + self.prompt_len)
         own = [rng.randrange(vocab_size) for _ in range(self.prompt_len - self.prefix_len)]
@@ -92,10 +113,135 @@ def shared_prompt_trace(num_requests: int = 500, system_prompt_len: int = 1000,
                          prefix_len=system_prompt_len) for t in arrivals]
 
 
+def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(vocab_size) for _ in range(n))
+
+
+def _sim_output(index: int, prompt_len: int, output_len: int, vocab_size: int) -> tuple[int, ...]:
+    """The tokens the simulator's executor outputs for trace request ``index`` (greedy, n=1)."""
+    return tuple(dummy_token(f"r{index}", 0, prompt_len + k, vocab_size) for k in range(output_len))
+
+
+def _number(plan: list[dict]) -> list[dict]:
+    """Order planned requests by arrival (ties: as planned) and give each its trace index."""
+    plan.sort(key=lambda r: r["arrival_s"])
+    for index, r in enumerate(plan):
+        r["index"] = index
+    return plan
+
+
+def _check_range(name: str, value: tuple[int, int], low: int = 1) -> None:
+    if len(value) != 2 or not low <= value[0] <= value[1]:
+        raise ValueError(f"{name} must be a (min, max) pair with {low} <= min <= max, got {value!r}")
+
+
+def multi_turn_trace(num_sessions: int = 64, turns: int = 4, system_prompt_len: int = 128,
+                     user_len: tuple[int, int] = (20, 120), output_len: tuple[int, int] = (20, 150),
+                     think_time_s: float = 8.0, rate: float | None = 2.0, seed: int = 0,
+                     vocab_size: int = 32000) -> list[TraceRequest]:
+    """Chat sessions, interleaved: turn ``k`` of a session is its system prompt, every
+    earlier user message and answer, then a new user message. Sessions start as a Poisson
+    process at ``rate`` sessions/s (all at 0 if None); a session's next turn arrives an
+    exponential think time (mean ``think_time_s``) after the previous one arrived.
+    The answer in a history is the simulator's output for that turn (see the module doc)."""
+    if num_sessions < 1 or turns < 1:
+        raise ValueError(f"need num_sessions >= 1 and turns >= 1, got {num_sessions}, {turns}")
+    _check_range("user_len", user_len)
+    _check_range("output_len", output_len)
+    rng = random.Random(seed)
+    system = _random_tokens(rng, system_prompt_len, vocab_size)
+    plan = []
+    for session, start in enumerate(poisson_arrivals(num_sessions, rate, seed)):
+        t = start
+        for turn in range(turns):
+            plan.append({"session": session, "turn": turn, "arrival_s": t,
+                         "user": _random_tokens(rng, rng.randint(*user_len), vocab_size),
+                         "output_len": rng.randint(*output_len)})
+            t += rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0
+    history: dict[int, tuple[int, ...]] = {}
+    trace: list[TraceRequest] = []
+    for r in sorted(_number(plan), key=lambda r: (r["session"], r["turn"])):
+        prompt = history.get(r["session"], system) + r["user"]
+        history[r["session"]] = prompt + _sim_output(r["index"], len(prompt), r["output_len"], vocab_size)
+        r["request"] = TraceRequest(len(prompt), r["output_len"], r["arrival_s"], tokens=prompt)
+    return [r["request"] for r in sorted(plan, key=lambda r: r["index"])]
+
+
+def few_shot_trace(num_requests: int = 400, num_examples: int = 12, shots: tuple[int, int] = (3, 6),
+                   example_len: tuple[int, int] = (60, 200), instruction_len: int = 64,
+                   question_len: tuple[int, int] = (10, 60), output_len: tuple[int, int] = (5, 60),
+                   rate: float | None = 8.0, seed: int = 0, vocab_size: int = 32000) -> list[TraceRequest]:
+    """Few-shot prompts: one instruction, then ``shots`` examples drawn from a pool of
+    ``num_examples`` long ones (a different subset, in a different order, per request),
+    then a question. Prompts share the instruction, and then as much as their example
+    sequences share from the start: a cache can only reuse a common *prefix*."""
+    if num_requests < 1 or num_examples < 1:
+        raise ValueError(f"need num_requests >= 1 and num_examples >= 1, got {num_requests}, {num_examples}")
+    _check_range("shots", shots)
+    if shots[1] > num_examples:
+        raise ValueError(f"shots {shots} asks for more examples than the pool's {num_examples}")
+    _check_range("example_len", example_len)
+    _check_range("question_len", question_len)
+    _check_range("output_len", output_len)
+    rng = random.Random(seed)
+    instruction = _random_tokens(rng, instruction_len, vocab_size)
+    examples = [_random_tokens(rng, rng.randint(*example_len), vocab_size) for _ in range(num_examples)]
+    trace = []
+    for t in poisson_arrivals(num_requests, rate, seed):
+        chosen = rng.sample(range(num_examples), rng.randint(*shots))
+        prompt = instruction + tuple(tok for e in chosen for tok in examples[e])
+        prompt += _random_tokens(rng, rng.randint(*question_len), vocab_size)
+        trace.append(TraceRequest(len(prompt), rng.randint(*output_len), t, tokens=prompt))
+    return trace
+
+
+def branching_trace(num_roots: int = 16, branching: tuple[int, ...] = (4, 3), root_len: int = 400,
+                    branch_len: tuple[int, int] = (10, 40), output_len: tuple[int, int] = (30, 80),
+                    level_gap_s: float = 3.0, rate: float | None = 0.5, seed: int = 0,
+                    vocab_size: int = 32000) -> list[TraceRequest]:
+    """Tree-of-thought / self-consistency programs: a root prompt, ``branching[0]``
+    continuations of it (each adds its own instruction and generates a thought), then
+    ``branching[1]`` continuations of each thought (its prompt holds the thought), and so
+    on. Programs start as a Poisson process at ``rate`` programs/s (all at 0 if None);
+    level ``d`` arrives ``d * level_gap_s`` after its program's start."""
+    if num_roots < 1 or not branching or any(k < 1 for k in branching):
+        raise ValueError(f"need num_roots >= 1 and branching factors >= 1, got {num_roots}, {branching}")
+    _check_range("branch_len", branch_len)
+    _check_range("output_len", output_len)
+    rng = random.Random(seed)
+    plan, roots = [], []
+    for root, start in enumerate(poisson_arrivals(num_roots, rate, seed)):
+        roots.append(_random_tokens(rng, root_len, vocab_size))
+        parents = [(None, ())]           # (parent plan entry, path of branch numbers)
+        for depth, k in enumerate(branching, 1):
+            level = []
+            for parent, path in parents:
+                for b in range(k):
+                    r = {"root": root, "parent": parent, "arrival_s": start + (depth - 1) * level_gap_s,
+                         "suffix": _random_tokens(rng, rng.randint(*branch_len), vocab_size),
+                         "output_len": rng.randint(*output_len), "path": path + (b,)}
+                    plan.append(r)
+                    level.append((r, r["path"]))
+            parents = level
+    _number(plan)
+    for r in sorted(plan, key=lambda r: len(r["path"])):    # parents before their branches
+        parent = r["parent"]
+        base = roots[r["root"]] if parent is None else parent["thought"]
+        prompt = base + r["suffix"]
+        r["thought"] = prompt + _sim_output(r["index"], len(prompt), r["output_len"], vocab_size)
+        r["request"] = TraceRequest(len(prompt), r["output_len"], r["arrival_s"], tokens=prompt)
+    return [r["request"] for r in sorted(plan, key=lambda r: r["index"])]
+
+
 def save_trace(trace: list[TraceRequest], path: str | Path) -> None:
     with open(path, "w") as f:
         for r in trace:
-            f.write(json.dumps(asdict(r)) + "\n")
+            d = asdict(r)
+            if d["tokens"] is None:
+                del d["tokens"]
+            else:
+                d["tokens"] = list(d["tokens"])
+            f.write(json.dumps(d) + "\n")
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
@@ -107,12 +253,16 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
                 continue
             try:
                 d = json.loads(line)
+                tokens = d.get("tokens")
                 r = TraceRequest(int(d["prompt_len"]), int(d["output_len"]),
-                                 float(d.get("arrival_s", 0.0)), int(d.get("prefix_len", 0)))
+                                 float(d.get("arrival_s", 0.0)), int(d.get("prefix_len", 0)),
+                                 None if tokens is None else tuple(int(t) for t in tokens))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad trace entry ({e!r}): {line.strip()[:80]}") from None
             if r.prompt_len < 1 or r.output_len < 1 or r.arrival_s < 0 or not 0 <= r.prefix_len <= r.prompt_len:
                 raise ValueError(f"{path}:{lineno}: lengths must be >= 1, arrival >= 0, "
                                  f"0 <= prefix_len <= prompt_len: {line.strip()[:80]}")
+            if r.tokens is not None and len(r.tokens) != r.prompt_len:
+                raise ValueError(f"{path}:{lineno}: {len(r.tokens)} tokens for prompt_len {r.prompt_len}")
             trace.append(r)
     return trace

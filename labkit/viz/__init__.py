@@ -13,6 +13,13 @@
 * the **sampler's view** (``sampling_figure``, ``sampling_data``): the model's top-k
   distribution at each generated step, from the engine's logprobs, and what temperature,
   top-k, top-p, min-p and penalties make of it, computed by labkit's sampler.
+* the **radix view** (``radix_figure``, ``radix_data``, ``RadixTreeWidget``): the radix tree
+  of cached prefixes (``enable_prefix_caching="radix"``) with each node's hits and references
+  and the next eviction victim, redrawn as chats arrive, continue and branch.
+* the **beam view** (``BeamTree``, ``beam_figure``, ``BeamWidget``, ``beam_animation``): a beam
+  search's tree, each beam's block table with the shared blocks' reference counts, and the
+  device and host pools, step by step through forks, deaths and swaps; ``record_engine_beams``
+  records a real engine's beam search for it.
 
 Importing ``labkit.viz`` is light: plotly and ipywidgets load when a figure or widget is
 first built (``pip install 'labkit[lab]'`` provides them). Figure functions return plain
@@ -40,6 +47,10 @@ _EXPORTS = {
     "waste_data": "waste_chart", "waste_figure": "waste_chart", "compare_waste": "waste_chart",
     "fragmented_layout": "waste_chart", "live_waste": "waste_chart",
     "sampling_data": "sampling", "sampling_figure": "sampling", "StepView": "sampling",
+    "radix_data": "radix", "radix_figure_dict": "radix", "radix_figure": "radix",
+    "radix_tree_of": "radix", "RadixTreeWidget": "radix", "make_radix_engine": "radix",
+    "BeamTree": "beams", "beam_figure": "beams", "beam_figure_dict": "beams", "BeamWidget": "beams",
+    "beam_animation": "beams", "demo_tree": "beams", "record_engine_beams": "beams",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,298 @@
+"""Graders for chapter 10: prefix caching by chained block hashes and by a radix tree.
+
+Every expected value is measured on the real engine or memory layer with the policy in
+question (``enable_prefix_caching="hash"`` or ``"radix"``), never written down:
+
+* 10.1 serves a chat's first turn on the real scheduler (the simulator's executor in place
+  of the model), then its follow-up turn, and reads how many of the follow-up's prompt
+  tokens the prefix cache served: under the hash cache, under the radix tree with pages of
+  one block, and under the radix tree with pages of one token (SGLang's default);
+* 10.2 runs the chapter's chat scenario (``eviction_scenario``) on a radix-tree allocator
+  whose pool is full, then lets three allocations evict, and compares the blocks they take
+  back with the student's prediction.
+
+The notebook imports the scenario and the exercises' constants from here, so that the
+student's runs and the grader's are the same runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from ..memory import BlockAllocator, BlockTable
+from ._grading import check_close, fail, graded, passed, read_count, shown
+
+# ---- exercise 10.1: what a chat's follow-up turn reuses ----------------------------------------------
+EX1_SYSTEM = 100          # system prompt tokens
+EX1_MESSAGE = 30          # the user's first message
+EX1_ANSWER = 45           # tokens the model answers in turn 1
+EX1_FOLLOW_UP = 20        # the user's second message
+EX1_BLOCK_SIZE = 16
+#: The three caches of the exercise: (prefix-caching policy, block size = page size).
+EX1_CACHES = {"hash_tokens": ("hash", EX1_BLOCK_SIZE), "radix_tokens": ("radix", EX1_BLOCK_SIZE),
+              "radix_page1_tokens": ("radix", 1)}
+
+
+def chat_prompts(system: int = EX1_SYSTEM, message: int = EX1_MESSAGE,
+                 follow_up: int = EX1_FOLLOW_UP) -> tuple[list[int], list[int], list[int]]:
+    """(system prompt, first message, second message): distinct token ids, deterministic."""
+    return ([(7 * i + 3) % 30_000 for i in range(system)], list(range(30_000, 30_000 + message)),
+            list(range(31_000, 31_000 + follow_up)))
+
+
+def _follow_up_reuse(policy: str, block_size: int, answer: int = EX1_ANSWER) -> tuple[int, int]:
+    """Serve turn 1 (system prompt + first message, ``answer`` tokens generated) to the end,
+    then turn 2 (turn 1's prompt and answer + the second message) on one engine with the
+    prefix cache ``policy``. Returns (turn 2's prompt length, its tokens served from the cache)."""
+    from ..engine import Engine
+    from ..sampling_params import SamplingParams
+    from ..scheduler import make_scheduler
+    from ..sim import SimExecutor
+
+    system, first, second = chat_prompts()
+    allocator = BlockAllocator(4 * (EX1_SYSTEM + EX1_MESSAGE + answer + EX1_FOLLOW_UP) // block_size + 8,
+                               block_size, enable_prefix_caching=policy)
+    scheduler = make_scheduler("continuous", allocator, max_num_seqs=4, max_num_batched_tokens=1024)
+    engine = Engine(scheduler, SimExecutor(), keep_records=False)
+    turn1 = engine.add_request(system + first, SamplingParams(max_tokens=answer, ignore_eos=True),
+                               request_id="turn1")
+    while engine.has_unfinished:
+        engine.step()
+    prompt2 = list(turn1.seqs[0].token_ids) + second
+    turn2 = engine.add_request(prompt2, SamplingParams(max_tokens=1, ignore_eos=True), request_id="turn2")
+    while engine.has_unfinished:
+        engine.step()
+    allocator.check_invariants()
+    return len(prompt2), turn2.seqs[0].num_cached_tokens
+
+
+@functools.lru_cache(maxsize=None)
+def _ex1_measured() -> dict[str, int]:
+    return {name: _follow_up_reuse(policy, bs)[1] for name, (policy, bs) in EX1_CACHES.items()}
+
+
+def _ex1_mistakes(name: str) -> list[tuple[float, str]]:
+    """What students answer for one of the three caches, and what to say about each."""
+    _, bs = EX1_CACHES[name]
+    s, m, a, f = EX1_SYSTEM, EX1_MESSAGE, EX1_ANSWER, EX1_FOLLOW_UP
+    history = s + m + a
+    whole = (lambda n: n // EX1_BLOCK_SIZE * EX1_BLOCK_SIZE)
+    common = [
+        (s, "More than the system prompt is cached: all of turn 1 went through the model, and its "
+            "blocks stayed in the cache when it finished."),
+        (whole(s), "More than the system prompt is cached: all of turn 1 went through the model, and its "
+                   "blocks stayed in the cache when it finished."),
+        (s + m, "Turn 1's answer is cached too: each answer token's K and V were computed when it was fed "
+                "back during decoding, and turn 2's prompt starts with the whole of turn 1."),
+        (whole(s + m), "Turn 1's answer is cached too: each answer token's K and V were computed when it was "
+                       "fed back during decoding, and turn 2's prompt starts with the whole of turn 1."),
+        (history + f, "The second message has never been through the model: none of it can be cached."),
+        (history + f - 1, "The second message has never been through the model: none of it can be cached."),
+        (0, "Turn 1 finished, but its blocks were not thrown away: they stay in the cache (reference count "
+            "0) until the pool needs them, and this pool is large."),
+    ]
+    if bs > 1:
+        granular = ("labkit's radix tree is page-granular: a node holds whole blocks, so a match ends at a "
+                    "block boundary (SGLang's default page is one token; here a page is a block)."
+                    if name == "radix_tokens" else
+                    "The hash cache keys and matches whole blocks only: a partly filled block has no hash.")
+        return common + [
+            (history, granular), (history - 1, granular),
+            (-(-history // bs) * bs, "A block that is only partly filled is never shared: count whole "
+                                     "blocks only."),
+            (whole(history) // bs, "That is a number of blocks; the question asks for tokens."),
+            (whole(history - 1) // bs, "That is a number of blocks; the question asks for tokens."),
+        ]
+    return common + [
+        (history, "One token too many: the last answer token was sampled, but never fed back through the "
+                  "model, so its K and V do not exist yet (turn 2 computes them)."),
+        (whole(history), "With one-token pages nothing is rounded down to 16-token blocks: every token "
+                         "whose K and V exist can be matched."),
+        (whole(history - 1), "With one-token pages nothing is rounded down to 16-token blocks: every token "
+                             "whose K and V exist can be matched."),
+    ]
+
+
+@graded("10.1")
+def check_follow_up_reuse(hash_tokens: object, radix_tokens: object, radix_page1_tokens: object) -> None:
+    """Exercise 10.1: a chat's first turn (a 100-token system prompt, a 30-token message, a
+    45-token answer) has finished; its second turn sends the whole of turn 1 plus a 20-token
+    message. How many of turn 2's prompt tokens come from the prefix cache with the hash
+    cache (blocks of 16), the radix tree (pages = blocks of 16), and the radix tree with
+    pages of one token?"""
+    measured = _ex1_measured()
+    answers = {"hash_tokens": hash_tokens, "radix_tokens": radix_tokens,
+               "radix_page1_tokens": radix_page1_tokens}
+    for name, value in answers.items():
+        policy, bs = EX1_CACHES[name]
+        check_close(name, read_count(name, value), measured[name], rel=0, mistakes=_ex1_mistakes(name),
+                    hint=f"Which of turn 2's tokens had their K and V computed before, and how does the "
+                         f"{policy} cache with {bs}-token pages cut a match?")
+    h, r, r1 = (measured[k] for k in EX1_CACHES)
+    history = EX1_SYSTEM + EX1_MESSAGE + EX1_ANSWER
+    passed(f"Exercise 10.1: turn 1 holds {history} tokens, {history - 1} of them computed (the last answer "
+           f"token was never fed back). Hash cache: {h} tokens ({h // EX1_BLOCK_SIZE} whole blocks); radix "
+           f"tree with 16-token pages: {r}, the same whole blocks; with 1-token pages: {r1}. Page "
+           "granularity, not the data structure, decides how much of one follow-up matches.")
+
+
+# ---- exercise 10.2: which blocks the radix tree evicts next ----------------------------------------------
+EX2_BLOCK_SIZE = 4
+EX2_SYSTEM = 8            # two blocks of system prompt, shared by chats A, B and C
+EX2_EVICTIONS = 3
+EX2_POOL = 9              # exactly what the scenario holds: no block is left plainly free
+
+
+@dataclass(slots=True)
+class Scenario:
+    """The chat scenario of exercise 10.2, left as its last step left it."""
+
+    allocator: BlockAllocator
+    tables: dict[str, BlockTable] = field(default_factory=dict)   # still running: held blocks
+    log: list[str] = field(default_factory=list)                   # what each step did, in order
+
+
+def eviction_scenario(policy: str = "radix") -> Scenario:
+    """Five requests on a pool of 9 blocks of 4 tokens, with the prefix cache ``policy``.
+
+    1. chat A: system prompt S (8 tokens) + its message (4 tokens); finishes;
+    2. chat B: S + another message; finishes;
+    3. chat C: S + a third message and 2 more tokens; keeps running;
+    4. A's second turn: A's whole first turn + 4 new tokens; finishes;
+    5. request D, unrelated (8 tokens); finishes.
+
+    Every request's tokens are computed as it arrives (one prefill), and a request that
+    finishes frees its block table. Afterwards no block is plainly free: every block is
+    either held by chat C or cached.
+    """
+    allocator = BlockAllocator(EX2_POOL, EX2_BLOCK_SIZE, enable_prefix_caching=policy)
+    scenario = Scenario(allocator)
+    system = list(range(100, 100 + EX2_SYSTEM))
+    steps = [("A", system + [201, 202, 203, 204], True),
+             ("B", system + [301, 302, 303, 304], True),
+             ("C", system + [401, 402, 403, 404, 405, 406], False),
+             ("A, turn 2", system + [201, 202, 203, 204, 211, 212, 213, 214], True),
+             ("D", [501, 502, 503, 504, 505, 506, 507, 508], True)]
+    for name, prompt, finishes in steps:
+        table = BlockTable(allocator)
+        reused = table.reuse_cached_prefix(prompt, len(prompt) - 1)
+        table.append_tokens(prompt[reused:])
+        scenario.log.append(f"{name}: {len(prompt)} tokens, {reused} from the cache, blocks {table.block_ids}"
+                            + ("; finishes" if finishes else "; keeps running"))
+        if finishes:
+            table.free()
+        else:
+            scenario.tables[name] = table
+    allocator.check_invariants()
+    return scenario
+
+
+def _held_blocks(scenario: Scenario) -> set[int]:
+    return {b for table in scenario.tables.values() for b in table.block_ids}
+
+
+def _evictions_after(scenario: Scenario, count: int = EX2_EVICTIONS) -> list[int]:
+    """The blocks ``count`` allocations take back from the cache, in order (the pool has no
+    plainly free block left, so each allocation evicts). Changes the scenario's allocator."""
+    before = scenario.allocator.num_evictions
+    taken = [scenario.allocator.allocate() for _ in range(count)]
+    assert scenario.allocator.num_evictions - before == count, "an allocation did not evict"
+    return taken
+
+
+@functools.lru_cache(maxsize=None)
+def _ex2_measured() -> tuple[tuple[int, ...], tuple[int, ...], frozenset[int], tuple[int, ...]]:
+    """(the radix tree's eviction order, the hash cache's, the blocks chat C holds, the last
+    block of each unreferenced leaf before any eviction, least recently used first)."""
+    radix = eviction_scenario("radix")
+    held = frozenset(_held_blocks(radix))
+    tails = tuple(leaf.block_ids[-1] for leaf in radix.allocator.radix.evictable_leaves())
+    order = tuple(_evictions_after(radix))
+    hashed = tuple(_evictions_after(eviction_scenario("hash")))
+    return order, hashed, held, tails
+
+
+def _children_below(block: int) -> list[int]:
+    """Blocks cached right after ``block`` in some path of the radix tree, on a fresh scenario."""
+    tree = eviction_scenario("radix").allocator.radix
+    found = []
+    for node in tree.nodes():
+        if block in node.block_ids:
+            k = node.block_ids.index(block)
+            if k + 1 < len(node.block_ids):
+                found.append(node.block_ids[k + 1])
+            found += [child.block_ids[0] for child in node.children.values() if child.block_ids]
+    return found
+
+
+def _read_blocks(name: str, value: object) -> list[int]:
+    if value is None or value is Ellipsis:
+        fail(f"{name}: no answer yet ({shown(value)}). Give a list of {EX2_EVICTIONS} block ids, "
+             "the first evicted first.")
+    if isinstance(value, str):
+        parts = [p for p in value.replace("[", " ").replace("]", " ").replace(",", " ").split() if p]
+        value = parts
+    if isinstance(value, (set, frozenset, dict)):
+        fail(f"{name}: the order matters: give a list (or tuple) of block ids, the first evicted first, "
+             f"not a {type(value).__name__}.")
+    if not isinstance(value, (list, tuple)):
+        fail(f"{name}: expected a list of {EX2_EVICTIONS} block ids, got {type(value).__name__} {shown(value)}.")
+    blocks = [read_count(f"{name}[{k}]", v) for k, v in enumerate(value)]
+    if len(blocks) != EX2_EVICTIONS:
+        fail(f"{name}: expected {EX2_EVICTIONS} block ids (one per allocation), got {len(blocks)}.")
+    if len(set(blocks)) != len(blocks):
+        fail(f"{name}: a block appears twice; once evicted and handed out, it is no longer cached.")
+    return blocks
+
+
+@graded("10.2")
+def check_eviction_order(evicted: object) -> None:
+    """Exercise 10.2: after ``eviction_scenario()`` the pool of 9 blocks has no free block left.
+    Three requests each need one new block: give the ids of the three blocks the radix tree
+    evicts for them, in order (a list such as ``[x, y, z]``)."""
+    order, hashed, held, tails = _ex2_measured()
+    blocks = _read_blocks("evicted", evicted)
+    if blocks == list(order):
+        note = ("The hash cache, freeing each table tail first, would have evicted the same blocks in the "
+                "same order here." if hashed == order else
+                f"The hash cache's LRU list would have taken {list(hashed)}.")
+        passed(f"Exercise 10.2: {order[0]}, then {order[1]}, then {order[2]}: least recently used leaves "
+               f"first, never a referenced block, and a parent only once its children are gone. {note}")
+        return
+    for b in blocks:
+        if b >= EX2_POOL:
+            fail(f"evicted: {b} is not a block of this pool (ids 0 to {EX2_POOL - 1}).")
+        if b in held:
+            fail(f"evicted: block {b} is held by chat C, which is still running (reference count > 0): "
+                 "a referenced block is never evicted.")
+    for k, b in enumerate(blocks):
+        below = [c for c in _children_below(b) if c not in blocks[:k]]
+        if below:
+            fail(f"evicted: block {b} goes while block {below[0]} still hangs below it in the tree. Only "
+                 "leaves are evicted: a prefix whose continuation is cached stays until the "
+                 "continuation has gone.")
+    if blocks[0] == tails[-1]:
+        fail(f"evicted: block {blocks[0]} ends the leaf used most recently of all; an LRU cache evicts "
+             "what was used longest ago.")
+    if set(blocks) == set(order):
+        fail("evicted: the right blocks, in the wrong order. Among the leaves, which was used longest ago? "
+             "And when a leaf goes, what does its parent become?")
+    fail("evicted: not the blocks the tree evicts. Take the leaves whose blocks nobody holds, and order "
+         "them by their last use (a match counts as a use).")
+
+
+def answer_forms() -> dict[str, list[str]]:
+    """For each exercise, the strings that would give its answer away (for the leak scan)."""
+    measured = _ex1_measured()
+    order = _ex2_measured()[0]
+    triples = [", ".join(map(str, order)), ",".join(map(str, order))]
+    return {
+        "10.1": [str(measured[name]) for name in EX1_CACHES],
+        "10.2": [f"[{t}]" for t in triples] + [f"({t})" for t in triples],
+    }
+
+
+__all__ = ["EX1_ANSWER", "EX1_BLOCK_SIZE", "EX1_CACHES", "EX1_FOLLOW_UP", "EX1_MESSAGE", "EX1_SYSTEM",
+           "EX2_BLOCK_SIZE", "EX2_EVICTIONS", "EX2_POOL", "Scenario", "chat_prompts", "check_eviction_order",
+           "check_follow_up_reuse", "eviction_scenario"]

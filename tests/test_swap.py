@@ -1,0 +1,338 @@
+"""Preemption by swapping (issue 16): a victim's KV blocks go to a host pool and come back.
+
+The anchor: greedy tokens under swap equal those under recompute and those with no
+preemption at all, on the real model and on tiny-llama, with pools small enough to force
+many preemptions; and nothing is lost in either pool, whatever ends a request.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from labkit import LLM, SamplingParams
+from labkit.engine import Engine
+from labkit.memory import BlockAllocator
+from labkit.model.kv_cache import KVCache, swap_blocks
+from labkit.request import Status
+from labkit.scheduler import Scheduler, make_scheduler
+from labkit.sim import SimExecutor
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def check_pools(scheduler: Scheduler) -> None:
+    """Both pools keep their invariants, and every reference count is exactly the number of
+    block tables holding the block: running tables on the device, swapped ones on the host."""
+    pools = [(scheduler.allocator, scheduler.sequences_holding_blocks())]
+    if scheduler.host_allocator is not None:
+        pools.append((scheduler.host_allocator, list(scheduler.swapped)))
+    for alloc, seqs in pools:
+        alloc.check_invariants()
+        holders: dict[int, int] = {}
+        for seq in seqs:
+            assert seq.block_table.allocator is alloc, f"{seq} holds blocks of the wrong pool"
+            assert seq.block_table.num_tokens == seq.num_computed_tokens or seq.status is Status.RUNNING
+            for b in seq.block_table.block_ids:
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(alloc.num_blocks):
+            assert alloc.ref_count(b) == holders.get(b, 0), f"block {b}: refcount != holders"
+    for seq in scheduler.swapped:
+        assert seq.status is Status.SWAPPED and seq.num_computed_tokens > 0
+
+
+def drain(llm_or_engine, check=True) -> None:
+    engine = getattr(llm_or_engine, "engine", llm_or_engine)
+    while engine.has_unfinished:
+        engine.step()
+        if check:
+            check_pools(engine.scheduler)
+
+
+def assert_both_pools_free(scheduler: Scheduler) -> None:
+    check_pools(scheduler)
+    assert scheduler.allocator.num_used_blocks == 0, "device blocks leaked"
+    if scheduler.host_allocator is not None:
+        assert scheduler.host_allocator.num_used_blocks == 0, "host blocks leaked"
+    assert not scheduler.swapped and not scheduler.has_unfinished
+
+
+def run(llm: LLM, prompts, params) -> list[list[list[int]]]:
+    """Every sample's tokens, stepping by hand so that the pools are checked every iteration."""
+    requests = [llm.engine.add_request(p if isinstance(p, list) else llm.tokenizer.encode(p), params)
+                for p in prompts]
+    drain(llm)
+    assert_both_pools_free(llm.scheduler)
+    out = [[list(s.output_token_ids) for s in r.seqs] for r in requests]
+    for r in requests:
+        llm.engine.release(r)
+    return out
+
+
+# ---- the real model: swap == recompute == no preemption ---------------------------------
+REAL_PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:",
+    "To make a good cup of tea, you",
+    "The three primary colors are",
+]
+
+
+def test_real_model_greedy_tokens_equal_under_swap_recompute_and_none():
+    params = greedy(24)
+    ample = LLM("smollm2-135m", num_blocks=64, block_size=4)
+    want = run(ample, REAL_PROMPTS, params)
+    assert ample.stats()["num_preemptions"] == 0
+    del ample
+    for mode in ("recompute", "swap"):
+        # 12 blocks of 4 tokens: room for about two of the four sequences at once.
+        llm = LLM("smollm2-135m", num_blocks=12, block_size=4, preemption_mode=mode, num_host_blocks=64)
+        assert run(llm, REAL_PROMPTS, params) == want, mode
+        stats = llm.stats()
+        assert stats["num_preemptions"] >= 4, stats
+        if mode == "swap":
+            assert stats["num_swap_outs"] == stats["num_preemptions"] and stats["num_swap_fallbacks"] == 0
+            assert stats["num_swap_ins"] == stats["num_swap_outs"]
+            assert stats["num_swapped_blocks_out"] == stats["num_swapped_blocks_in"] > 0
+            assert stats["swap_s"] > 0
+        else:
+            assert stats["num_swap_outs"] == 0 and stats["num_host_blocks"] == 0
+
+
+# ---- tiny-llama: every feature that meets preemption ------------------------------------
+@pytest.fixture(scope="module")
+def tiny_prompts():
+    rng = random.Random(1)
+    return [[rng.randrange(3, 384) for _ in range(n)] for n in (3, 9, 17, 6, 25, 12)]
+
+
+def tiny(mode="swap", num_blocks=14, **kw) -> LLM:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("max_num_batched_tokens", 32)
+    if mode == "swap":
+        kw.setdefault("num_host_blocks", 64)
+    return LLM("tiny-llama", num_blocks=num_blocks, preemption_mode=mode, **kw)
+
+
+def test_tiny_swap_equals_recompute_equals_no_preemption(tiny_prompts):
+    params = greedy(24)
+    want = run(tiny("recompute", num_blocks=256), tiny_prompts, params)
+    for mode in ("recompute", "swap"):
+        llm = tiny(mode)
+        assert run(llm, tiny_prompts, params) == want, mode
+        assert llm.stats()["num_preemptions"] >= 4
+    records = llm.engine.records
+    assert any(r.swapped_out for r in records) and any(r.swapped_in for r in records)
+    assert max(r.num_swapped for r in records) > 0 and records[-1].num_swapped == 0
+
+
+def test_full_host_pool_falls_back_to_recompute_and_stays_exact(tiny_prompts):
+    params = greedy(24)
+    want = run(tiny("recompute", num_blocks=256), tiny_prompts, params)
+    llm = tiny(num_host_blocks=3)             # room for about one victim
+    assert run(llm, tiny_prompts, params) == want
+    stats = llm.stats()
+    assert stats["num_swap_fallbacks"] > 0 and stats["num_swap_outs"] > 0
+    assert stats["num_preemptions"] == stats["num_swap_outs"] + stats["num_swap_fallbacks"]
+
+
+def test_parallel_samples_share_host_blocks_and_stay_exact(tiny_prompts):
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=7, n=3, ignore_eos=True)
+    want = run(tiny("recompute", num_blocks=512), tiny_prompts[:4], params)
+    llm = tiny(num_blocks=24, max_num_seqs=12)
+    shared = 0
+    requests = [llm.engine.add_request(p, params) for p in tiny_prompts[:4]]
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+        check_pools(llm.scheduler)
+        host = llm.scheduler.host_allocator
+        shared = max([shared] + [host.ref_count(b) for s in llm.scheduler.swapped for b in s.block_table.block_ids])
+    assert [[s.output_token_ids for s in r.seqs] for r in requests] == want
+    assert llm.stats()["num_swap_outs"] > 0
+    assert shared > 1, "siblings swapped together should share their prefix's host copy"
+    assert_both_pools_free(llm.scheduler)
+
+
+def test_beam_search_under_swap_equals_no_preemption(tiny_prompts):
+    from labkit import BeamSearchParams
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+
+    def beams(llm):
+        outs = llm.beam_search(tiny_prompts[:4], params)
+        assert_both_pools_free(llm.scheduler)
+        return [[(s.output_token_ids, round(s.cum_logprob, 4)) for s in o.sequences] for o in outs]
+    want = beams(tiny("recompute", num_blocks=512))
+    for host_blocks in (64, 3):         # room for every beam group; for none: beams swap all or none
+        llm = tiny(num_blocks=24, max_num_seqs=12, num_host_blocks=host_blocks)
+        assert beams(llm) == want, host_blocks
+        stats = llm.stats()
+        assert stats["num_swap_outs" if host_blocks == 64 else "num_swap_fallbacks"] > 0, stats
+
+
+def test_prefix_caching_with_swap_is_exact_and_registrations_stay_true(tiny_prompts):
+    system = list(range(100, 124))          # 6 blocks of 4 tokens, shared by every prompt
+    prompts = [system + p for p in tiny_prompts]
+    params = greedy(16)
+    want = run(tiny("recompute", num_blocks=512, enable_prefix_caching=False), prompts, params)
+    llm = tiny(num_blocks=40, enable_prefix_caching=True)
+    assert run(llm, prompts, params) == want
+    assert llm.stats()["prefix_cache_hit_rate"] > 0 and llm.stats()["num_swap_outs"] > 0
+    # Whatever the cache now holds is true: a second run, served from it, gives the same tokens.
+    assert run(llm, prompts, params) == want
+
+
+def test_chunked_prefill_victims_swap_mid_prompt(tiny_prompts):
+    prompts = [p * 3 for p in tiny_prompts]          # long prompts, chunks of 8 tokens
+    params = greedy(12)
+    want = run(tiny("recompute", num_blocks=512), prompts, params)
+    llm = tiny(num_blocks=30, max_num_batched_tokens=8)
+    assert run(llm, prompts, params) == want
+    assert llm.stats()["num_swap_outs"] > 0
+
+
+def test_stop_strings_under_swap(tiny_prompts):
+    ample = tiny("recompute", num_blocks=256)
+    probe = ample.generate(tiny_prompts, greedy(24), use_tqdm=False)
+    stops = [o.outputs[0].text[6:9] or "x" for o in probe]
+    want = ample.generate(tiny_prompts, [greedy(24, stop=[s]) for s in stops], use_tqdm=False)
+    llm = tiny()
+    got = llm.generate(tiny_prompts, [greedy(24, stop=[s]) for s in stops], use_tqdm=False)
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == \
+        [(o.outputs[0].text, o.outputs[0].finish_reason) for o in want]
+    assert any(o.outputs[0].finish_reason == "stop" for o in got)
+    assert llm.stats()["num_swap_outs"] > 0
+    assert_both_pools_free(llm.scheduler)
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks(tiny_prompts):
+    llm = tiny()
+    engine = llm.engine
+    requests = [engine.add_request(p, greedy(24)) for p in tiny_prompts]
+    while not engine.scheduler.swapped:
+        engine.step()
+        check_pools(engine.scheduler)
+    victim = engine.scheduler.swapped[0].request
+    host = engine.scheduler.host_allocator
+    assert host.num_used_blocks > 0
+    assert engine.abort(victim.request_id)
+    check_pools(engine.scheduler)
+    assert all(s.status is Status.FINISHED and s.finish_reason == "abort" for s in victim.seqs)
+    assert victim not in {s.request for s in engine.scheduler.swapped}
+    drain(engine)
+    assert all(r.finished for r in requests)
+    assert_both_pools_free(engine.scheduler)
+
+
+def test_static_policy_accepts_swap_mode_and_never_preempts(tiny_prompts):
+    want = run(tiny("recompute", num_blocks=256), tiny_prompts, greedy(12))
+    llm = LLM("tiny-llama", policy="static", num_blocks=64, block_size=8, preemption_mode="swap",
+              num_host_blocks=8)
+    assert llm.scheduler.host_allocator is None      # it reserves up front: nothing to swap
+    assert run(llm, tiny_prompts, greedy(12)) == want
+    assert llm.stats()["num_preemptions"] == 0
+
+
+# ---- the simulator: the same scheduler, dummy tokens, a modelled copy cost ---------------
+def test_simulator_swaps_exactly_and_charges_the_copies():
+    def serve(mode: str, num_blocks: int):
+        alloc = BlockAllocator(num_blocks, 4)
+        sched = make_scheduler("continuous", alloc, preemption_mode=mode, num_host_blocks=64,
+                               max_num_batched_tokens=32)
+        engine = Engine(sched, SimExecutor(vocab_size=100))
+        rng = random.Random(0)
+        reqs = [engine.add_request([rng.randrange(100) for _ in range(rng.randint(3, 20))],
+                                   greedy(rng.randint(5, 30))) for _ in range(8)]
+        drain(engine)
+        assert_both_pools_free(sched)
+        return [r.seqs[0].token_ids for r in reqs], engine
+    want, _ = serve("recompute", 400)
+    got, engine = serve("swap", 24)
+    assert got == want
+    swaps = [r for r in engine.records if r.swapped_out or r.swapped_in]
+    assert swaps and engine.scheduler.num_swapped_blocks_out > 0
+    executor = engine.executor
+    assert executor.num_swapped_blocks == 2 * engine.scheduler.num_swapped_blocks_out
+    assert executor.swap_s > 0
+
+
+# ---- the block copies themselves --------------------------------------------------------
+@pytest.mark.parametrize("granularity", ["gather", "layer"])
+def test_swap_blocks_moves_every_layer_between_pools(granularity):
+    device = KVCache(3, 6, 4, 2, 8)
+    device.data.normal_()
+    host = device.host_pool(5)
+    assert host.data.device.type == "cpu" and host.data.shape[2] == 5
+    before = device.data.clone()
+    swap_blocks(device, host, [(1, 4), (3, 0)], granularity)
+    device.data.zero_()
+    swap_blocks(host, device, [(4, 2), (0, 5)], granularity)
+    assert torch.equal(device.data[:, :, 2], before[:, :, 1])
+    assert torch.equal(device.data[:, :, 5], before[:, :, 3])
+    assert torch.count_nonzero(device.data[:, :, [0, 1, 3, 4]]) == 0
+
+
+def test_swap_link_model_small_blocks_pay_per_transfer():
+    """The paper's explanation of Figure 19: with vLLM v0's per-layer copies, small blocks
+    mean many small transfers, and the link's effective bandwidth collapses."""
+    from labkit.sim.roofline import HOST_LINKS, roofline
+    a100, h100 = roofline("llama-2-13b", "a100-80gb"), roofline("llama-2-13b", "h100-sxm")
+    assert a100.model.num_params == 13_015_864_320                         # Llama-2-13B, published
+    assert (a100.swap_link.name, h100.swap_link.name) == ("pcie4-x16", "pcie5-x16")
+    link = a100.swap_link
+    assert link.transfers_per_block == 2 * 40 and link.kv_bytes_per_token == 2 * 40 * 5120 * 2
+    tokens = 1024
+    times = [link.copy_time(tokens // bs, bs) for bs in (8, 16, 64, 256)]
+    assert times == sorted(times, reverse=True) and times[0] > 2 * times[-1]
+    bandwidth, latency = HOST_LINKS["pcie4-x16"]
+    big = tokens // 256
+    assert times[-1] == pytest.approx(big * 80 * latency + tokens * link.kv_bytes_per_token / bandwidth)
+    assert link.effective_bandwidth(8) < link.effective_bandwidth(256) < bandwidth
+    assert h100.swap_link.copy_time(4, 256) < link.copy_time(4, 256)
+    assert link.copy_time(0, 16) == 0.0
+    # This machine's memcpy is measured once and cached.
+    cpu = roofline("smollm2-135m", "cpu-2core").swap_link
+    assert cpu.bandwidth > 1e8 and cpu.name == "cpu-memcpy"
+    assert roofline("smollm2-135m", "cpu-2core").swap_link == cpu
+
+
+def test_swap_benchmark_reproduces_figure_19s_shape(capsys):
+    import json
+
+    from labkit.bench.swap import main
+    assert main(["--parts", "micro,sim", "--block-sizes", "8,64", "--num-requests", "40", "--rate", "40",
+                 "--kv-tokens", "2048", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    micro = out["micro"]["rows"]
+    assert micro[0]["swap_in_out_ms"] > micro[1]["swap_in_out_ms"]          # small blocks pay per transfer
+    assert micro[0]["recompute_ms"] == micro[1]["recompute_ms"]             # recompute ignores blocks
+    rows = {(r["block_size"], r["mode"]): r for r in out["sim"]["rows"]}
+    assert all(r["leaked_blocks"] == 0 and r["num_preemptions"] > 0 for r in rows.values())
+    assert rows[8, "swap"]["num_swap_outs"] > 0 and rows[8, "recompute"]["recomputed_tokens"] > 0
+    assert rows[8, "swap"]["overhead_s"] / rows[8, "swap"]["num_swap_outs"] > \
+        rows[64, "swap"]["overhead_s"] / rows[64, "swap"]["num_swap_outs"]
+    assert main(["--parts", "nope"]) == 2
+
+
+# ---- bad input ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    (dict(preemption_mode="swapping"), "preemption_mode"),
+    (dict(preemption_mode="swap", swap_space=-1.0), "swap_space"),
+    (dict(preemption_mode="swap", swap_space=float("nan")), "swap_space"),
+    (dict(preemption_mode="swap", swap_space=2.0**40), "host memory"),
+    (dict(preemption_mode="swap", swap_space=1e-9), "holds no KV block"),
+    (dict(preemption_mode="swap", num_host_blocks=0), "num_host_blocks"),
+])
+def test_bad_swap_settings_are_refused_clearly(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLM("tiny-llama", num_blocks=16, block_size=4, **kw)
+
+
+def test_scheduler_refuses_swap_without_a_host_pool():
+    with pytest.raises(ValueError, match="num_host_blocks"):
+        make_scheduler("continuous", BlockAllocator(8, 4), preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        make_scheduler("static", BlockAllocator(8, 4), preemption_mode="host")

@@ -5,9 +5,11 @@ the engine with its own block table. Beams share their common prefix's KV blocks
 reference count, as the samples of ``n > 1`` do (PagedAttention paper, section 4.4).
 Every step, after the model has run every live beam once:
 
-1. **Candidates.** Each beam offers its ``2 * beam_width`` most likely next tokens, scored
+1. **Candidates.** Each beam offers its ``c * beam_width`` most likely next tokens, scored
    by *cumulative* log-probability: the beam's own plus the token's. The best
-   ``2 * beam_width`` of all of them are kept, best first.
+   ``c * beam_width`` of all of them are kept, best first. ``c = max(2, 1 + number of EOS
+   ids)`` (2 with ``ignore_eos``): even if every EOS id ranks among them, ``beam_width``
+   candidates that do not end remain (``num_candidates``).
 2. **Finished hypotheses.** A candidate that ends (an EOS token, unless ``ignore_eos``, or
    the ``max_tokens``-th token) and ranks among the first ``beam_width`` becomes a finished
    hypothesis, scored ``cumulative log-prob / length ** length_penalty`` (``length``: the
@@ -40,6 +42,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .sampling_params import BeamSearchParams
+
+
+def num_candidates(params: BeamSearchParams, eos_token_ids: frozenset[int] | set[int]) -> int:
+    """Candidates kept per step, and so log-probabilities each beam needs from the model:
+    ``max(2, 1 + number of EOS ids) * beam_width`` (Transformers' ``beams_to_keep``), so that
+    ``beam_width`` candidates that do not end remain even when every EOS id ranks first."""
+    num_eos = 0 if params.ignore_eos else len(eos_token_ids)
+    return max(2, 1 + num_eos) * params.beam_width
 
 
 def hypothesis_score(cumulative: float, length: int, length_penalty: float) -> float:
@@ -81,25 +91,33 @@ class BeamSearch:
     """The state of one request's search between steps: its finished hypotheses (best
     first, at most ``beam_width``) and whether a running beam may still beat them.
 
-    ``max_new_tokens`` is ``params.max_tokens`` capped by the model's length.
+    ``max_new_tokens`` is ``params.max_tokens`` capped by the model's length (None: not
+    capped, ``params.max_tokens``); it must be at least 1.
     """
 
     params: BeamSearchParams
     eos_token_ids: frozenset[int] = frozenset()
-    max_new_tokens: int = 0
+    max_new_tokens: int | None = None
     finished: list[Hypothesis] = field(default_factory=list)
     improvable: bool = True     # Transformers' "is_early_stop_heuristic_unsatisfied"
 
     def __post_init__(self) -> None:
-        if not self.max_new_tokens:
+        if self.max_new_tokens is None:
             self.max_new_tokens = self.params.max_tokens
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"BeamSearch.max_new_tokens must be an integer >= 1 (or None for "
+                             f"params.max_tokens), got {self.max_new_tokens!r}")
 
     @property
     def width(self) -> int:
         return self.params.beam_width
 
+    @property
+    def num_candidates(self) -> int:
+        return num_candidates(self.params, self.eos_token_ids)
+
     def candidates(self, beams: list[tuple[float, dict[int, float]]]) -> list[Candidate]:
-        """Step 1: the best ``2 * width`` continuations over all beams, best first.
+        """Step 1: the best ``num_candidates`` continuations over all beams, best first.
         ``beams[b]`` is (cumulative log-prob, {token: log-prob} of its most likely tokens)."""
         parents = [b for b, (_, top) in enumerate(beams) for _ in top]
         tokens = [t for _, top in beams for t in top]
@@ -107,7 +125,7 @@ class BeamSearch:
         # runs for every request at every step of the simulator's long traces).
         cums = np.array([cum for cum, _ in beams], dtype=np.float32)[parents]
         total = cums + np.array([lp for _, top in beams for lp in top.values()], dtype=np.float32)
-        best = np.lexsort((tokens, parents, -total))[:2 * self.width]
+        best = np.lexsort((tokens, parents, -total))[:self.num_candidates]
         return [Candidate(parents[j], tokens[j], float(total[j])) for j in best]
 
     def ends(self, token: int, length: int) -> bool:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from .beam_search import num_candidates
 from .detokenizer import IncrementalDetokenizer
 from .request import Request, Sequence, Status
 from .sampling_params import BeamSearchParams, SamplingParams
@@ -99,9 +100,10 @@ class Engine:
             raise ValueError(f"expected SamplingParams or BeamSearchParams, got {type(params).__name__}")
         params.validate()
         vocab = self.executor.vocab_size
-        if isinstance(params, BeamSearchParams) and 2 * params.beam_width > vocab:
-            raise ValueError(f"request {request_id!r}: beam_width={params.beam_width} needs 2 x beam_width "
-                             f"candidate tokens per beam, more than the vocabulary's {vocab}")
+        if isinstance(params, BeamSearchParams) and num_candidates(params, self.scheduler.eos_token_ids) > vocab:
+            raise ValueError(f"request {request_id!r}: beam_width={params.beam_width} needs "
+                             f"{num_candidates(params, self.scheduler.eos_token_ids)} candidate tokens per beam "
+                             f"(max(2, 1 + EOS ids) x beam_width), more than the vocabulary's {vocab}")
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: token ids out of range [0, {vocab}): {bad[:5]}")

@@ -41,6 +41,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None      # "stop", "length", "abort", "error"; None while running
+                                          # (a beam search's dead beams say "pruned": docs/beam_search.md)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
 

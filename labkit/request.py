@@ -49,6 +49,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: BlockTable | None = None
         self.status = Status.WAITING
+        # None while unfinished; then "stop" (a stop token or string, or EOS), "length",
+        # "abort", or "pruned": a beam that no candidate of the beam step continued
+        # (it died; its request's hypotheses live in ``request.beam_search``).
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0               # prompt tokens served by the prefix cache
@@ -92,8 +95,8 @@ class Request:
     """A user's request: prompt, sampling settings, its sequences and its timings.
 
     A beam-search request (``params`` a ``BeamSearchParams``) keeps it in ``beam``, runs its
-    beams with ``beam.sampling_params()`` (greedy, reporting the top ``2 * beam_width``
-    log-probabilities), and holds its search state in ``beam_search`` (set by the scheduler).
+    beams with ``beam.sampling_params()`` (greedy, reporting the top log-probabilities: as
+    many as the beam step keeps candidates, set by the scheduler), and holds its search state in ``beam_search`` (set by the scheduler).
     Its live beams are the ``seqs`` not finished; beams that died stay there, finished.
 
     Times are in the engine's clock (wall seconds for the real model, simulated seconds

@@ -141,8 +141,10 @@ class SamplingParams:
 class BeamSearchParams:
     """Beam search settings (vLLM's ``BeamSearchParams`` names), checked when made.
 
-    ``beam_width`` beams are kept; each step extends every beam by its ``2 * beam_width``
-    most likely tokens and keeps the best candidates by cumulative log-probability.
+    ``beam_width`` beams are kept; each step extends every beam by its most likely tokens
+    (``max(2, 1 + number of EOS ids) * beam_width`` of them, Transformers' ``beams_to_keep``:
+    ``2 * beam_width`` with one EOS id or ``ignore_eos``) and keeps the best candidates by
+    cumulative log-probability.
     ``max_tokens`` new tokens at most. A hypothesis's score is its cumulative log-probability
     divided by ``length ** length_penalty``, its length counting the tokens it generated (the
     EOS token included): > 0 favours longer outputs, < 0 shorter ones, 0 compares sums.
@@ -170,9 +172,9 @@ class BeamSearchParams:
 
         if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) \
                 or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
-            bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}] (each beam reads its "
-                f"2 * beam_width best tokens, and at most {MAX_LOGPROBS} log-probabilities are kept per "
-                "token, as in vLLM)")
+            bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}] (each beam reads at "
+                f"least its 2 * beam_width best tokens, and at most {MAX_LOGPROBS} log-probabilities are "
+                "kept per token, as in vLLM)")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if not (_is_number(self.length_penalty) and math.isfinite(self.length_penalty)):
@@ -183,8 +185,10 @@ class BeamSearchParams:
             bad("early_stopping", "must be True, False or 'never' (Transformers' meanings)")
 
     def sampling_params(self) -> SamplingParams:
-        """What the engine runs each beam with: greedy, with the ``2 * beam_width`` most
-        likely tokens' raw log-probabilities reported (the beam step picks from those)."""
+        """What the engine runs each beam with: greedy, with the most likely tokens' raw
+        log-probabilities reported (the beam step picks from those). ``2 * beam_width`` here;
+        the scheduler raises it to ``max(2, 1 + number of EOS ids) * beam_width`` for a model
+        with several EOS ids (``labkit.beam_search.num_candidates``)."""
         return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=self.ignore_eos,
                               logprobs=2 * self.beam_width)
 

@@ -23,7 +23,7 @@ from labkit.sim.executor import SimExecutor
 
 
 def hf_beams(hf, prompt: list[int], k: int, new: int, *, length_penalty: float = 1.0,
-             early_stopping=False, eos: int | None = None) -> list[tuple[list[int], float]]:
+             early_stopping=False, eos: int | list[int] | None = None) -> list[tuple[list[int], float]]:
     """Transformers' beam search: (output tokens, score) per returned beam, best first,
     each cut to the tokens it generated (HF pads beams that ended early)."""
     with torch.inference_mode():
@@ -131,6 +131,26 @@ def test_tiny_equals_transformers_with_eos_live(tiny, length_penalty, early_stop
             assert (s.finish_reason == "stop") == (s.output_token_ids[-1] == eos and len(s.output_token_ids) <= new)
             ended.append(s.finish_reason == "stop" and len(s.output_token_ids) < new)
     assert any(ended), "no hypothesis ended early: the case does not test EOS"
+    assert_pool_whole(llm)
+
+
+def test_tiny_equals_transformers_with_several_eos_ids(tiny):
+    """Three EOS ids, the model's 2nd to 4th choices: with 2k = 4 candidates, three would end
+    and one beam of two go on; Transformers keeps (1 + 3) x k and runs two."""
+    k, new = 2, 8
+    llm = LLM("tiny-llama", num_blocks=128, block_size=4)
+    for prompt in tiny["prompts"]:
+        eos = [_likely_token(tiny["hf"], prompt, rank) for rank in (1, 2, 3)]
+        llm.scheduler.eos_token_ids = frozenset(eos)
+        out = llm.beam_search(prompt, BeamSearchParams(k, new))[0]
+        assert_same_beams(out, hf_beams(tiny["hf"], prompt, k, new, eos=eos))
+        req = llm.engine.add_request(prompt, BeamSearchParams(k, new))
+        while req.first_token_time is None:          # up to the first beam step
+            llm.engine.step()
+        assert len(req.live_beams) == k, "fewer than k beams went on"
+        while llm.engine.has_unfinished:
+            llm.engine.step()
+        llm.engine.release(req)
     assert_pool_whole(llm)
 
 
@@ -265,6 +285,38 @@ def test_eos_hypotheses_and_max_model_len_in_the_simulator():
     (req,) = run_sim(engine, [(list(range(10)), BeamSearchParams(3, 50, ignore_eos=True))])
     assert all(len(h.output_token_ids) == 14 for h in req.beam_search.outputs())
     assert_pool_whole(engine.scheduler)
+
+
+def test_several_eos_ids_keep_enough_candidates_as_transformers():
+    """Transformers keeps max(2, 1 + number of EOS ids) x k candidates per step, so that k
+    beams go on even when every EOS id ranks first; 2k were too few with 3 EOS ids."""
+    from labkit.beam_search import BeamSearch
+    search = BeamSearch(BeamSearchParams(2, 10), eos_token_ids=frozenset({11, 12, 13}))
+    assert search.num_candidates == 8
+    top = {10: -0.1, 11: -1.0, 12: -1.1, 13: -1.2, 14: -1.3, 15: -1.4, 16: -1.5, 17: -1.6}
+    step = search.step([([], 0.0, top)], length=1)
+    assert [c.token for c in step.running] == [10, 14]          # k beams go on
+    assert [h.output_token_ids for h in search.finished] == [[11]]  # EOS among the first k
+    assert BeamSearch(BeamSearchParams(2, 10, ignore_eos=True), frozenset({11, 12, 13})).num_candidates == 4
+    # The executor is asked for as many log-probabilities per beam; beyond the 20 it reports
+    # per token, or the vocabulary, the request is refused with the reason.
+    engine = Engine(make_scheduler("continuous", BlockAllocator(64, 4), eos_token_ids=(11, 12, 13)),
+                    SimExecutor(vocab_size=1000))
+    assert engine.add_request([1, 2, 3], BeamSearchParams(2, 4)).params.logprobs == 8
+    assert engine.add_request([1, 2, 3], BeamSearchParams(2, 4, ignore_eos=True)).params.logprobs == 4
+    with pytest.raises(ValueError, match="3 EOS ids needs the 24 best tokens"):
+        engine.add_request([1, 2, 3], BeamSearchParams(6, 4))
+    while engine.has_unfinished:
+        engine.step()
+    assert_pool_whole(engine.scheduler)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5])
+def test_beam_search_max_new_tokens_must_be_positive(bad):
+    from labkit.beam_search import BeamSearch
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        BeamSearch(BeamSearchParams(2, 10), max_new_tokens=bad)
+    assert BeamSearch(BeamSearchParams(2, 10)).max_new_tokens == 10
 
 
 # ---- SmolLM2-135M-Instruct, chat prompts: the CI anchor --------------------------------------

@@ -31,16 +31,23 @@ STEP_TIMEOUT_MS = 30_000
 sys.path.insert(0, str(HERE / "browser"))
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """A JupyterLab server on a copy of the demo notebook; stopped (process group) after."""
+def serve_demo(tmp_path, notebook: str):
+    """For a fixture: skip without Chromium, Playwright or JupyterLab; else yield the URL of a
+    JupyterLab server on a copy of ``tests/browser/<notebook>`` (JupyterLab autosaves)."""
     if not CHROMIUM.exists():
         pytest.skip("no /usr/bin/chromium: apt-get install chromium (or `make browser`)")
     pytest.importorskip("playwright.sync_api", reason="playwright for Python is not installed")
     pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
     from lab_server import running_jupyterlab
-    shutil.copy(HERE / "browser" / "widgets_demo.ipynb", tmp_path / "widgets_demo.ipynb")
+    shutil.copy(HERE / "browser" / notebook, tmp_path / notebook)
     with running_jupyterlab(tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on a copy of the demo notebook; stopped (process group) after."""
+    for url in serve_demo(tmp_path, "widgets_demo.ipynb"):
         yield url, tmp_path
 
 
@@ -234,19 +241,6 @@ def test_make_lab_opens_chapter_00_unmodified_without_news(make_lab, page):
     assert first.read_bytes() == stored, "opening chapter 00 rewrote its file"
 
 
-def serve_demo(tmp_path, notebook: str):
-    """For a fixture: skip without Chromium, Playwright or JupyterLab; else yield the URL of a
-    JupyterLab server on a copy of ``tests/browser/<notebook>`` (JupyterLab autosaves)."""
-    if not CHROMIUM.exists():
-        pytest.skip("no /usr/bin/chromium: apt-get install chromium (or `make browser`)")
-    pytest.importorskip("playwright.sync_api", reason="playwright for Python is not installed")
-    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
-    from lab_server import running_jupyterlab
-    shutil.copy(HERE / "browser" / notebook, tmp_path / notebook)
-    with running_jupyterlab(tmp_path) as url:
-        yield url
-
-
 # ---- chapter 9's beam view -------------------------------------------------------------------
 @pytest.fixture
 def beams_lab(tmp_path):
@@ -299,14 +293,7 @@ def test_beam_widget_steps_through_forks_deaths_and_swaps(beams_lab, page):
 @pytest.fixture
 def radix_lab(tmp_path):
     """A JupyterLab server on a copy of ``tests/browser/radix_demo.ipynb``."""
-    if not CHROMIUM.exists():
-        pytest.skip("no /usr/bin/chromium: apt-get install chromium (or `make browser`)")
-    pytest.importorskip("playwright.sync_api", reason="playwright for Python is not installed")
-    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
-    from lab_server import running_jupyterlab
-    shutil.copy(HERE / "browser" / "radix_demo.ipynb", tmp_path / "radix_demo.ipynb")
-    with running_jupyterlab(tmp_path) as url:
-        yield url
+    yield from serve_demo(tmp_path, "radix_demo.ipynb")
 
 
 def radix_state(cell) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from labkit.exercises import beams as E
-from labkit.viz.beams import BeamTree
+from labkit.memory import BeamTree
 from test_answer_leaks import find_form
 from test_exercises_ch4_8 import right, wrong
 from test_exercises_ch4_8 import test_value_graders_answer_junk_with_a_hint as junk_check

@@ -12,6 +12,7 @@ exercises' constants, so it follows the engine.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 
@@ -61,6 +62,12 @@ def most_recent_first() -> list[int]:
     return [b for leaf in reversed(s.allocator.radix.evictable_leaves()) for b in reversed(leaf.block_ids)][:3]
 
 
+@functools.lru_cache(maxsize=None)
+def hash_order() -> list[int]:
+    """What a plain LRU queue over blocks takes: the hash cache's evictions on the same scenario."""
+    return list(P._ex2_measured()[1])
+
+
 def ring_order():
     o = order()
     return [o[1], o[0], o[2]]
@@ -73,21 +80,21 @@ CH10 = [
     right("10.1", P.check_follow_up_reuse, lambda: tuple(float(x) for x in measured()), "floats"),
     wrong("10.1", P.check_follow_up_reuse, with_(radix_tokens=E1 - 1), "page-granular",
           "radix-matches-every-token-at-block-size-16"),
-    wrong("10.1", P.check_follow_up_reuse, with_(hash_tokens=E1), "whole blocks only",
+    wrong("10.1", P.check_follow_up_reuse, with_(hash_tokens=E1), "keys and matches whole blocks",
           "hash-counts-the-partial-block"),
-    wrong("10.1", P.check_follow_up_reuse, with_(radix_page1_tokens=E1), "never fed back",
+    wrong("10.1", P.check_follow_up_reuse, with_(radix_page1_tokens=E1), "Not every token you counted went in",
           "counts-the-last-answer-token"),
-    wrong("10.1", P.check_follow_up_reuse, with_(radix_page1_tokens=(E1 - 1) // BS * BS), "nothing is rounded down",
-          "rounds-one-token-pages-to-blocks"),
-    wrong("10.1", P.check_follow_up_reuse, with_(hash_tokens=P.EX1_SYSTEM // BS * BS), "More than the system prompt",
+    wrong("10.1", P.check_follow_up_reuse, with_(radix_page1_tokens=(E1 - 1) // BS * BS),
+          "not cut at 16-token block boundaries", "rounds-one-token-pages-to-blocks"),
+    wrong("10.1", P.check_follow_up_reuse, with_(hash_tokens=P.EX1_SYSTEM // BS * BS), "Only the system prompt",
           "only-the-system-prompt-is-cached"),
     wrong("10.1", P.check_follow_up_reuse, with_(radix_page1_tokens=P.EX1_SYSTEM + P.EX1_MESSAGE),
-          "answer is cached too", "forgets-the-answer-is-cached"),
-    wrong("10.1", P.check_follow_up_reuse, with_(hash_tokens=E1 + P.EX1_FOLLOW_UP - 1), "never been through",
+          "What about turn 1's answer", "forgets-the-answer-is-cached"),
+    wrong("10.1", P.check_follow_up_reuse, with_(hash_tokens=E1 + P.EX1_FOLLOW_UP - 1), "Not every token you counted",
           "counts-the-new-message"),
-    wrong("10.1", P.check_follow_up_reuse, with_(hash_tokens=(E1 - 1) // BS), "number of blocks",
+    wrong("10.1", P.check_follow_up_reuse, with_(hash_tokens=(E1 - 1) // BS), "Count tokens, not blocks",
           "gives-blocks-not-tokens"),
-    wrong("10.1", P.check_follow_up_reuse, with_(radix_tokens=-(-E1 // BS) * BS), "partly filled",
+    wrong("10.1", P.check_follow_up_reuse, with_(radix_tokens=-(-E1 // BS) * BS), "partly filled block is never shared",
           "rounds-up-to-whole-blocks"),
     wrong("10.1", P.check_follow_up_reuse, with_(hash_tokens=0), "not thrown away", "thinks-finished-means-gone"),
     wrong("10.1", P.check_follow_up_reuse, with_(radix_tokens=37), "Which of turn 2's tokens", "a-guess"),
@@ -102,16 +109,18 @@ CH10 = [
     right("10.2", P.check_eviction_order, lambda: (tuple(order()),), "tuple"),
     right("10.2", P.check_eviction_order, lambda: (", ".join(map(str, order())),), "string"),
     right("10.2", P.check_eviction_order, lambda: ([str(b) for b in order()],), "strings"),
+    wrong("10.2", P.check_eviction_order, lambda: (hash_order(),), "plain LRU queue over blocks.*leaves only",
+          "hash-lru-order-not-leaf-first"),
     wrong("10.2", P.check_eviction_order, lambda: (list(reversed(order())),), "still hangs below",
           "reversed-order-a-parent-first"),
     wrong("10.2", P.check_eviction_order, lambda: (most_recent_first(),), "used most recently",
           "most-recently-used-leaf-first"),
     wrong("10.2", P.check_eviction_order, lambda: ([order()[0], scenario_facts()["parent_first"], order()[1]],),
           "Only leaves are evicted", "a-parent-before-its-child"),
-    wrong("10.2", P.check_eviction_order, lambda: ([scenario_facts()["held"][0], *order()[:2]],), "still running",
-          "evicts-the-oldest-block-though-held"),
+    wrong("10.2", P.check_eviction_order, lambda: ([scenario_facts()["held"][0], *order()[:2]],),
+          "held by request D, which is still running", "evicts-a-block-though-held"),
     wrong("10.2", P.check_eviction_order, lambda: ([order()[0], order()[1], scenario_facts()["held"][-1]],),
-          "reference count > 0", "evicts-a-running-chats-block"),
+          "reference count > 0", "evicts-a-running-requests-block"),
     wrong("10.2", P.check_eviction_order, lambda: (ring_order(),), "wrong order", "right-blocks-wrong-order"),
     wrong("10.2", P.check_eviction_order, lambda: ([order()[0], *scenario_facts()["last_leaf"][::-1]],),
           "not the blocks the tree evicts", "evicts-the-newest-leaf-second"),
@@ -163,7 +172,62 @@ def test_the_eviction_answer_is_what_the_allocator_does():
 
 
 def test_scenario_is_the_same_for_both_policies_up_to_the_cache():
+    """The same requests, in the same batches, reusing the same tokens; only the blocks differ
+    (the tree folds B's copy of the system prompt into A's, the hash cache keeps it private)."""
     hashed, radix = P.eviction_scenario("hash"), P.eviction_scenario("radix")
-    assert hashed.log == radix.log
-    assert isinstance(radix.tables["C"], BlockTable) and radix.allocator.radix is not None
+    steps = (lambda s: [re.sub(r"computed on blocks .*", "", line) for line in s.log])
+    assert steps(hashed) == steps(radix) and len(radix.log) >= 6
+    assert any("the table now holds" in line for line in radix.log)
+    assert not any("the table now holds" in line for line in hashed.log)
+    assert isinstance(radix.tables["D"], BlockTable) and radix.allocator.radix is not None
     assert BlockAllocator(4, 4, enable_prefix_caching="hash").radix is None
+
+
+def test_plain_lru_over_blocks_evicts_a_parent_before_its_child_and_the_tree_does_not():
+    """The point of exercise 10.2, on the real caches: the hash cache's LRU queue takes a block
+    while a cached block continues its prefix; the tree only ever takes a leaf's last block."""
+    hashed = P.eviction_scenario("hash")
+    stranded = []
+    for _ in range(P.EX2_EVICTIONS):
+        entries = {b: e for b in range(P.EX2_POOL) if (e := hashed.allocator.cache_entry(b)) is not None}
+        victim = hashed.allocator.allocate()
+        assert victim in entries and hashed.allocator.cache_entry(victim) is None
+        stranded += [b for b, e in entries.items() if b != victim and e.parent_hash == entries[victim].block_hash
+                     and hashed.allocator.cache_entry(b) is not None]
+    assert stranded, "the hash cache's order evicts no parent before its child: the exercise would not tell"
+    assert hash_order() != order()
+
+    radix = P.eviction_scenario("radix")
+    tree = radix.allocator.radix
+    for expected in order():
+        leaves = tree.evictable_leaves()
+        assert expected in {leaf.block_ids[-1] for leaf in leaves}      # a leaf's last block, nothing else
+        assert radix.allocator.allocate() == expected
+        tree.check()
+
+
+def _hint(name: str, value: int) -> str:
+    h, r, r1 = measured()
+    answers = {"hash_tokens": h, "radix_tokens": r, "radix_page1_tokens": r1, name: value}
+    with pytest.raises(AssertionError) as info:
+        P.check_follow_up_reuse(*answers.values())
+    return str(info.value).split(" is not right. ", 1)[1]
+
+
+def test_hints_of_10_1_point_at_the_step_not_the_distance():
+    """A hint must not let the answer follow from the wrong answer by arithmetic: no number
+    of its own (beyond the exercise's block size), and one hint for every answer the same
+    misunderstanding produces, so that it confirms no distance and no unit."""
+    f = P.EX1_FOLLOW_UP
+    for name in P.EX1_CACHES:
+        for value, hint in P._ex1_mistakes(name):
+            numbers = re.findall(r"\d+", re.sub(r"turn \d", "", hint, flags=re.IGNORECASE))       # "turn 1" names a turn
+            assert set(numbers) <= {"0", str(BS)}, (name, value, hint)
+            assert not re.search(r"too many|too few|one token (too|more|less)|a number of blocks", hint, re.IGNORECASE), hint
+    # counted the last sampled token, or the new message: the same hint, no count confirmed
+    assert _hint("radix_page1_tokens", E1) == _hint("radix_page1_tokens", E1 + f) \
+        == _hint("radix_page1_tokens", E1 + f - 1)
+    for name in ("hash_tokens", "radix_tokens"):
+        blocks = (E1 - 1) // BS
+        assert _hint(name, blocks) == _hint(name, blocks - 1) == _hint(name, blocks + 1)   # any count of blocks
+        assert _hint(name, E1 - 1) == _hint(name, E1) == _hint(name, -(-E1 // BS) * BS)

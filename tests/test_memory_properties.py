@@ -1,9 +1,10 @@
 """Property tests of the memory layer: random interleavings against a shadow model.
 
 A hypothesis state machine drives one ``BlockAllocator`` (tight: a handful of blocks, so
-eviction and ``NoFreeBlocksError`` happen often) through random appends, forks,
-copy-on-writes, frees, prefix-cache reuses and cache resets, and after every step checks
-what the chapter promises:
+eviction and ``NoFreeBlocksError`` happen often) through random appends, forks (also
+before the forked blocks are published), copy-on-writes, frees, prefix-cache reuses, cache
+resets and swaps (``copy_to`` a host pool and back, siblings together or one at a time), and
+after every step checks what the chapter promises:
 
 * ``allocator.check_invariants()``: every block is free, cached-free or referenced;
 * each block's reference count equals the number of live tables holding it;
@@ -20,8 +21,10 @@ The same machine runs with each prefix-cache policy (``RadixMachine``: SGLang's 
 For the radix tree it also checks, after every step, that the tree and the allocator agree
 (``RadixTree.check``: one node per cached block, uniform reference counts per node, the LRU
 heap complete), that no block a live table has published was evicted (nothing is evicted
-while referenced), and that a reuse takes exactly the longest whole-block prefix whose KV
-some cached block holds, computed from the simulated KV memory, not from the tree.
+while referenced), that each table's blocks in the tree are its leading ones and the tree's
+path for its tokens (what eviction's bookkeeping rests on), and that a reuse takes exactly
+the longest whole-block prefix whose KV some cached block holds, computed from the simulated
+KV memory, not from the tree.
 """
 
 from __future__ import annotations
@@ -77,9 +80,10 @@ class MemoryMachine(RuleBasedStateMachine):
         self.bs = block_size
 
     # ---- the simulated executor -----------------------------------------------------
-    def write_kv(self, live: Live, upto: int) -> None:
+    def write_kv(self, live: Live, upto: int, publish: bool = True) -> None:
         """Compute K/V for tokens [computed, upto) and write them into their slots, as the
-        model would: only into blocks this table holds alone."""
+        model would: only into blocks this table holds alone. Then publish them, unless
+        ``publish`` is False (a caller that forks first publishes later)."""
         t = live.table
         for p in range(live.computed, upto):
             block = t.block_ids[p // self.bs]
@@ -88,14 +92,19 @@ class MemoryMachine(RuleBasedStateMachine):
                 f"{self.allocator.ref_count(block)} tables")
             self.kv[t.slot(p)] = tuple(live.tokens[:p + 1])
         live.computed = max(live.computed, upto)
-        t.cache_computed_blocks(live.computed)
+        if publish:
+            t.cache_computed_blocks(live.computed)
 
-    def copy_block(self, src: int, dst: int) -> None:
+    def copy_block(self, src: int, dst: int, src_kv: dict | None = None, dst_kv: dict | None = None) -> None:
+        """Copy a block's simulated KV (within the device memory, or between it and the
+        host's: ``src_kv``, ``dst_kv``)."""
+        src_kv = self.kv if src_kv is None else src_kv
+        dst_kv = self.kv if dst_kv is None else dst_kv
         for i in range(self.bs):
-            if src * self.bs + i in self.kv:
-                self.kv[dst * self.bs + i] = self.kv[src * self.bs + i]
+            if src * self.bs + i in src_kv:
+                dst_kv[dst * self.bs + i] = src_kv[src * self.bs + i]
             else:
-                self.kv.pop(dst * self.bs + i, None)
+                dst_kv.pop(dst * self.bs + i, None)
 
     def cached_prefix_len(self, prompt: list[int], limit: int) -> int:
         """Oracle from the simulated KV memory alone: how many whole blocks of ``prompt``
@@ -241,6 +250,59 @@ class MemoryMachine(RuleBasedStateMachine):
                 self.preempt()
         return child
 
+    @rule(target=tables, live=tables, child_first=st.booleans(), publish_both=st.booleans())
+    def fork_before_publish(self, live, child_first, publish_both):
+        """The KV is written, then the table is forked before it publishes: two tables share
+        unpublished full blocks (as a swap-in rebuilds n > 1 siblings or beams). Then one
+        publishes, or both, in either order."""
+        if live.table.freed or live.table.num_blocks > cdiv(len(live.tokens), self.bs):
+            return live
+        self.write_kv(live, len(live.tokens), publish=False)
+        child = self.fork(live)
+        order = [child, live] if child_first else [live, child]
+        for member in order[:1 + publish_both]:
+            member.table.cache_computed_blocks(member.computed)
+        return child
+
+    @rule(picks=st.lists(st.integers(0, 7), min_size=1, max_size=3, unique=True), together=st.booleans(),
+          reverse=st.booleans())
+    def swap_out_and_in(self, picks, together, reverse):
+        """Preemption by swapping: some tables move to a host pool (``copy_to``, blocks they
+        share copied once), their device blocks are freed, and they come back, all together
+        (siblings: the device copies are shared again, unpublished) or one at a time; then
+        each publishes what it had computed, in the order drawn. If the device pool cannot
+        take them back, they are dropped (as a recompute preemption would)."""
+        group = [self.live[i] for i in picks if i < len(self.live)]
+        if not group:
+            return
+        host, host_kv = BlockAllocator(64, self.bs), {}
+        moved: dict[int, int] = {}
+        for live in group:
+            old = live.table
+            live.table, pairs = old.copy_to(host, moved)
+            for src, dst in pairs:
+                self.copy_block(src, dst, self.kv, host_kv)
+            old.free()
+        self.allocator.check_invariants()
+        batches = [group] if together else [[live] for live in group]
+        for batch in batches:
+            need = len({b for live in batch for b in live.table.block_ids})
+            if need > self.allocator.num_free_blocks:
+                for live in batch:
+                    live.table.free()
+                    self.live.remove(live)
+                continue
+            moved = {}
+            for live in batch:
+                host_table = live.table
+                live.table, pairs = host_table.copy_to(self.allocator, moved)
+                for src, dst in pairs:
+                    self.copy_block(src, dst, host_kv, self.kv)
+                host_table.free()
+            for live in reversed(batch) if reverse else batch:
+                live.table.cache_computed_blocks(live.computed)
+        assert host.num_used_blocks == 0, "a host block leaked"
+
     @rule(live=consumes(tables))
     def free(self, live):
         if not live.table.freed:
@@ -297,6 +359,13 @@ class MemoryMachine(RuleBasedStateMachine):
                 for b in t.block_ids[:t.num_published_blocks]:
                     assert alloc.is_cached(b) and alloc.ref_count(b) > 0, (
                         f"block {b}, published and held, is no longer in the tree")
+                # What the tree's bookkeeping rests on: a table's blocks in the tree are its
+                # leading ones, and they are the tree's path for its tokens.
+                in_tree = [alloc.is_cached(b) for b in t.block_ids]
+                n = in_tree.index(False) if False in in_tree else len(in_tree)
+                assert not any(in_tree[n:]), f"{t}: a block in the tree after one that is not"
+                assert alloc.radix.match(t.token_ids, n * bs)[:n] == t.block_ids[:n], (
+                    f"{t}: its blocks in the tree are not the tree's path for its tokens")
 
     def teardown(self):
         if not hasattr(self, "allocator"):

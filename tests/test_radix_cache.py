@@ -17,8 +17,8 @@ import pytest
 from labkit import LLM, SamplingParams
 from labkit.model import load_model
 from labkit.memory import BlockAllocator, BlockTable, NoFreeBlocksError, RadixTree, hash_prefix
-from labkit.sim import (branching_trace, few_shot_trace, load_trace, multi_turn_trace, save_trace, simulate,
-                        shared_prompt_trace)
+from labkit.sim import (TraceRequest, branching_trace, few_shot_trace, load_trace, multi_turn_trace, save_trace,
+                        simulate, shared_prompt_trace)
 from labkit.sim.executor import dummy_token
 
 
@@ -156,6 +156,98 @@ def test_forked_samples_publish_their_own_branches():
     alloc.check_invariants()
 
 
+# ---- blocks shared before they are published (forks, swap-ins of siblings) --------------
+def test_a_shared_run_and_a_private_run_become_two_nodes():
+    """Forked before publishing: the shared blocks have two holders, each table's own next
+    block one. One node per run of the same holders, so eviction sees whole nodes."""
+    alloc = radix(num_blocks=16, block_size=2)
+    a = BlockTable(alloc)
+    a.append_tokens([1, 2, 3, 4], computed=False)
+    b = a.fork()
+    a.append_tokens([5, 6], computed=False)
+    b.append_tokens([7, 8], computed=False)
+    a.cache_computed_blocks(6)
+    assert shape(alloc.radix) == [((1, 2, 3, 4), 1), ((5, 6), 0)]
+    alloc.check_invariants()
+    b.cache_computed_blocks(6)
+    assert shape(alloc.radix) == [((1, 2, 3, 4), 2), ((5, 6), 0), ((7, 8), 0)]
+    alloc.check_invariants()
+    a.free()
+    b.free()
+    alloc.check_invariants()
+    assert alloc.radix.num_evictable == 4 and alloc.num_free_blocks == alloc.num_blocks
+
+
+def test_a_shared_copy_is_not_switched_for_the_trees_block():
+    """Two tables share private copies of a prefix the tree already holds (a fork before
+    publishing). Switching one of them to the tree's blocks would leave the other holding
+    blocks below a path it does not hold; so neither switches nor publishes until its copy is
+    its own. Then it switches, publishes the rest, and every block comes back in the end."""
+    alloc = radix(num_blocks=16, block_size=4)
+    prefix = list(range(100, 112))
+    first = table_with(alloc, prefix)                           # the tree: one node of 3 blocks
+    a = BlockTable(alloc)
+    a.append_tokens(prefix + [1, 2, 3, 4], computed=False)
+    b = a.fork()
+    for table in (a, b):
+        table.cache_computed_blocks(16)
+        alloc.check_invariants()
+        assert table.num_published_blocks == 0 and not set(table.block_ids) & set(first.block_ids)
+    assert alloc.radix.num_deduplicated == 0
+    b.free()
+    a.cache_computed_blocks(16)
+    assert a.block_ids[:3] == first.block_ids and a.num_published_blocks == 4
+    assert alloc.radix.num_deduplicated == 3 and shape(alloc.radix) == [(tuple(prefix), 1), ((1, 2, 3, 4), 0)]
+    alloc.check_invariants()
+    first.free()
+    a.free()
+    alloc.check_invariants()
+    assert alloc.num_free_blocks == alloc.num_blocks
+    assert sorted(alloc.allocate() for _ in range(alloc.num_blocks)) == list(range(alloc.num_blocks))
+
+
+SWAPPED_SIBLINGS = [TraceRequest(9, 5, 0.01, tokens=(23, 31, 9, 22, 46, 41, 12, 7, 33)),
+                    TraceRequest(8, 4, 0.03, tokens=(23, 31, 9, 22, 46, 41, 29, 12))]
+
+
+def check_every_step(engine) -> None:
+    engine.scheduler.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["hash", "radix"])
+def test_n2_samples_swapped_in_together_keep_the_cache_consistent(policy):
+    """n = 2 samples preempted by swapping come back sharing device copies no cache holds,
+    while the tree may still hold their prefix: the cache and the allocator agree after every
+    step. (Under the radix policy this trace once stranded an unreferenced leaf: "no
+    evictable leaf" from allocate.)"""
+    res = simulate(SWAPPED_SIBLINGS, block_size=2, num_blocks=11, max_num_seqs=8, max_num_batched_tokens=64,
+                   n=2, enable_prefix_caching=policy, preemption_mode="swap", num_host_blocks=64,
+                   max_model_len=64, watermark=0.0, on_step=check_every_step)
+    assert res.engine.scheduler.num_swap_ins > 0
+    assert all(r.finished for r in res.requests) and res.metrics["leaked_blocks"] == 0
+
+
+@pytest.mark.parametrize("policy", ["hash", "radix"])
+def test_random_samples_and_beams_with_swapping_keep_the_cache_consistent(policy):
+    """Seeded small traces (a shared system prompt, n = 2 samples or 2 beams, a pool that
+    forces swapping), every step checked."""
+    swaps = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        system = [rng.randrange(50) for _ in range(rng.choice([4, 8, 12]))]
+        trace = []
+        for _ in range(rng.randint(3, 8)):
+            tokens = tuple(system + [rng.randrange(50) for _ in range(rng.randint(0, 6))])
+            trace.append(TraceRequest(len(tokens), rng.randint(2, 14), rng.choice([0, 0, 0.01, 0.05]), tokens=tokens))
+        width = rng.choice([dict(n=2), dict(beam_width=2)])
+        res = simulate(trace, block_size=rng.choice([2, 4]), num_blocks=rng.randint(26, 40), max_num_seqs=8,
+                       max_num_batched_tokens=64, enable_prefix_caching=policy, preemption_mode="swap",
+                       num_host_blocks=64, max_model_len=64, watermark=0.0, on_step=check_every_step, **width)
+        assert all(r.finished for r in res.requests) and res.metrics["leaked_blocks"] == 0
+        swaps += res.engine.scheduler.num_swap_ins
+    assert swaps > 0
+
+
 # ---- eviction ------------------------------------------------------------------------
 def test_eviction_takes_the_least_recently_used_leaf_first_and_never_a_held_block():
     alloc = radix(num_blocks=8, block_size=2)
@@ -283,6 +375,25 @@ def test_prefix_bench_reports_every_policy(capsys):
     assert prefix.main(["--policies", "lru"]) == 2
 
 
+@pytest.mark.parametrize("policy", ["hash", "radix"])
+def test_prefix_bench_times_only_outermost_cache_calls(monkeypatch, policy):
+    """The cache's methods call each other (the hash cache's acquire calls its match; acquire
+    reaches revived through the allocator): a nested call's time is inside its caller's and
+    must not count twice. With a clock that ticks once per read, each outermost call adds
+    exactly one tick."""
+    from types import SimpleNamespace
+
+    from labkit.bench import prefix
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(prefix, "time", SimpleNamespace(thread_time=lambda: next(ticks)))
+    alloc = BlockAllocator(8, 2, enable_prefix_caching=policy)
+    total = prefix.time_cache_calls(alloc.prefix_cache)
+    table_with(alloc, [1, 2, 3, 4, 5]).free()
+    before = total[0]
+    BlockTable(alloc).reuse_cached_prefix([1, 2, 3, 4, 5], max_tokens=4)   # revives 2 blocks
+    assert total[0] - before == 2           # acquire (match, revived inside it) and reused
+
+
 # ---- the engine: greedy tokens with the radix cache == without a cache -------------------
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -304,6 +415,8 @@ RADIX_STRESSES = {
     "chunked-prefill": dict(max_num_batched_tokens=16),
     "preemption": dict(num_blocks=20, block_size=8, max_num_batched_tokens=64),
     "static": dict(policy="static"),
+    "swap": dict(num_blocks=20, block_size=8, max_num_batched_tokens=64, preemption_mode="swap",
+                 num_host_blocks=64),
 }
 
 
@@ -339,6 +452,8 @@ def test_tiny_greedy_with_radix_equals_no_cache(tiny_reference, stress):
         assert llm.engine.scheduler.num_cached_prompt_tokens > 0
     if stress == "preemption":
         assert llm.stats()["num_preemptions"] > 0
+    if stress == "swap":
+        assert llm.engine.scheduler.num_swap_ins > 0
 
 
 def test_llm_prefix_caching_keyword():

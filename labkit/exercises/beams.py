@@ -2,7 +2,7 @@
 sharing saves, and swapping against recomputation.
 
 Every expected value is computed here from labkit itself: 9.1 plays the exercise's beam
-pattern on real block tables (``labkit.viz.beams.BeamTree``: ``BlockAllocator``,
+pattern on real block tables (``labkit.memory.beam_tree.BeamTree``: ``BlockAllocator``,
 ``BlockTable.fork``, copy-on-write); 9.2 forks real block tables for parallel sampling and
 counts their blocks; 9.3 asks the simulator's cost model for each block size.
 
@@ -19,6 +19,7 @@ import functools
 from dataclasses import dataclass
 
 from ..memory import BlockAllocator, BlockTable
+from ..memory.beam_tree import BeamTree
 from ._grading import check_close, check_share, fail, graded, is_close, passed, read_count, read_fraction
 
 # ---- exercise 9.1: blocks held by a beam-search request after forks and deaths -------------------
@@ -40,7 +41,6 @@ class BeamCounts:
 @functools.lru_cache(maxsize=None)
 def beam_pattern_expected() -> BeamCounts:
     """Play exercise 9.1's pattern on real block tables and count."""
-    from ..viz.beams import BeamTree          # the memory side of beam search; no plotting here
     tree = BeamTree(EX1_PROMPT, EX1_BLOCK_SIZE, num_blocks=64, num_host_blocks=1)
     for parents in EX1_STEPS:
         tree.step(parents)
@@ -215,7 +215,8 @@ def _crossover_mistakes() -> list[tuple[float, str]]:
     ]
     below = [b for b in EX3_BLOCK_SIZES if b < expected]
     if below:
-        mistakes.append((below[-1], "At that block size recomputation still wins: look one size further."))
+        mistakes.append((below[-1], "At that block size recomputation still wins: compare the two "
+                                    "costs there again, both ways of the copy included."))
     return [(b, hint) for b, hint in mistakes if b is not None and b != expected]
 
 

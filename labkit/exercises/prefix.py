@@ -9,7 +9,9 @@ question (``enable_prefix_caching="hash"`` or ``"radix"``), never written down:
   one block, and under the radix tree with pages of one token (SGLang's default);
 * 10.2 runs the chapter's chat scenario (``eviction_scenario``) on a radix-tree allocator
   whose pool is full, then lets three allocations evict, and compares the blocks they take
-  back with the student's prediction.
+  back with the student's prediction. The same scenario on the hash cache is run too: its
+  plain LRU queue over blocks evicts a prefix before a cached continuation of it, which the
+  tree never does, so an answer that ignores the tree's shape is recognised and told so.
 
 The notebook imports the scenario and the exercises' constants from here, so that the
 student's runs and the grader's are the same runs.
@@ -73,44 +75,44 @@ def _ex1_measured() -> dict[str, int]:
 
 
 def _ex1_mistakes(name: str) -> list[tuple[float, str]]:
-    """What students answer for one of the three caches, and what to say about each."""
+    """What students answer for one of the three caches, and what to say about each.
+
+    A hint points at the step that went wrong, never at the distance to the answer: it must
+    not confirm that a wrong answer is off by a known amount ("one token too many") or only by
+    its unit ("that is a number of blocks"), or the answer follows from the hint by arithmetic.
+    So one hint covers every answer that the same misunderstanding gives (every count of
+    blocks, every count that includes tokens turn 1 never computed)."""
     _, bs = EX1_CACHES[name]
     s, m, a, f = EX1_SYSTEM, EX1_MESSAGE, EX1_ANSWER, EX1_FOLLOW_UP
     history = s + m + a
     whole = (lambda n: n // EX1_BLOCK_SIZE * EX1_BLOCK_SIZE)
-    common = [
-        (s, "More than the system prompt is cached: all of turn 1 went through the model, and its "
-            "blocks stayed in the cache when it finished."),
-        (whole(s), "More than the system prompt is cached: all of turn 1 went through the model, and its "
-                   "blocks stayed in the cache when it finished."),
-        (s + m, "Turn 1's answer is cached too: each answer token's K and V were computed when it was fed "
-                "back during decoding, and turn 2's prompt starts with the whole of turn 1."),
-        (whole(s + m), "Turn 1's answer is cached too: each answer token's K and V were computed when it was "
-                       "fed back during decoding, and turn 2's prompt starts with the whole of turn 1."),
-        (history + f, "The second message has never been through the model: none of it can be cached."),
-        (history + f - 1, "The second message has never been through the model: none of it can be cached."),
-        (0, "Turn 1 finished, but its blocks were not thrown away: they stay in the cache (reference count "
-            "0) until the pool needs them, and this pool is large."),
-    ]
+    only_system = ("Only the system prompt? All of turn 1 went through the model, and its blocks stayed in "
+                   "the cache when it finished.")
+    no_answer = ("What about turn 1's answer? Think about when the K and V of each token the model "
+                 "generated are computed, and whether turn 2's prompt repeats them.")
+    uncomputed = ("Count only the tokens the cache can hand out: those whose K and V an earlier request "
+                  "computed, by feeding them into the model as input. Not every token you counted went in.")
+    common = [(s, only_system), (whole(s), only_system), (s + m, no_answer), (whole(s + m), no_answer),
+              (history + f, uncomputed), (history + f - 1, uncomputed),
+              (0, "Turn 1 finished, but its blocks were not thrown away: they stay in the cache (reference "
+                  "count 0) until the pool needs them, and this pool is large.")]
     if bs > 1:
-        granular = ("labkit's radix tree is page-granular: a node holds whole blocks, so a match ends at a "
-                    "block boundary (SGLang's default page is one token; here a page is a block)."
-                    if name == "radix_tokens" else
-                    "The hash cache keys and matches whole blocks only: a partly filled block has no hash.")
+        granular = ("How does this cache cut a match? labkit's radix tree is page-granular: a node holds whole "
+                    "blocks, so a match ends at a block boundary and a partly filled block is never shared "
+                    "(SGLang's default page is one token; here a page is a block)." if name == "radix_tokens" else
+                    "How does this cache cut a match? The hash cache keys and matches whole blocks: a block "
+                    "gets a hash only once it is full, and a partly filled one is never shared.")
+        blocks = ("Count tokens, not blocks or pages: the question asks how many of turn 2's prompt tokens "
+                  "the cache hands out.")
         return common + [
-            (history, granular), (history - 1, granular),
-            (-(-history // bs) * bs, "A block that is only partly filled is never shared: count whole "
-                                     "blocks only."),
-            (whole(history) // bs, "That is a number of blocks; the question asks for tokens."),
-            (whole(history - 1) // bs, "That is a number of blocks; the question asks for tokens."),
+            # counted every token, every computed one, or every block's slots: one hint for all three
+            (history, granular), (history - 1, granular), (-(-history // bs) * bs, granular),
+            *[(n, blocks) for n in range(1, -(-(history + f) // bs) + 1)],
         ]
     return common + [
-        (history, "One token too many: the last answer token was sampled, but never fed back through the "
-                  "model, so its K and V do not exist yet (turn 2 computes them)."),
-        (whole(history), "With one-token pages nothing is rounded down to 16-token blocks: every token "
-                         "whose K and V exist can be matched."),
-        (whole(history - 1), "With one-token pages nothing is rounded down to 16-token blocks: every token "
-                             "whose K and V exist can be matched."),
+        (history, uncomputed),
+        *[(n, "With one-token pages a match is not cut at 16-token block boundaries: every token whose K "
+              "and V exist can be matched.") for n in sorted({whole(history), whole(history - 1)})],
     ]
 
 
@@ -139,9 +141,9 @@ def check_follow_up_reuse(hash_tokens: object, radix_tokens: object, radix_page1
 
 # ---- exercise 10.2: which blocks the radix tree evicts next ----------------------------------------------
 EX2_BLOCK_SIZE = 4
-EX2_SYSTEM = 8            # two blocks of system prompt, shared by chats A, B and C
+EX2_SYSTEM = 8            # two blocks of system prompt, shared by chats A and B
 EX2_EVICTIONS = 3
-EX2_POOL = 9              # exactly what the scenario holds: no block is left plainly free
+EX2_POOL = 8              # exactly what the scenario holds: no block is left plainly free
 
 
 @dataclass(slots=True)
@@ -150,40 +152,56 @@ class Scenario:
 
     allocator: BlockAllocator
     tables: dict[str, BlockTable] = field(default_factory=dict)   # still running: held blocks
+    prompts: dict[str, list[int]] = field(default_factory=dict)    # every request's prompt, by name
     log: list[str] = field(default_factory=list)                   # what each step did, in order
 
 
 def eviction_scenario(policy: str = "radix") -> Scenario:
-    """Five requests on a pool of 9 blocks of 4 tokens, with the prefix cache ``policy``.
+    """Four requests on a pool of 8 blocks of 4 tokens, with the prefix cache ``policy``.
 
-    1. chat A: system prompt S (8 tokens) + its message (4 tokens); finishes;
-    2. chat B: S + another message; finishes;
-    3. chat C: S + a third message and 2 more tokens; keeps running;
-    4. A's second turn: A's whole first turn + 4 new tokens; finishes;
-    5. request D, unrelated (8 tokens); finishes.
+    1. chats A and B arrive together, in one batch: each is the system prompt S (8 tokens)
+       and its own 4-token message. Both are prefilled in the same iteration, before either's
+       blocks are in any cache, so each computes S; then they publish their blocks, A first.
+       The radix tree keeps A's copy of S and B switches to it (its own copy goes back to
+       the pool); the hash cache keeps A's copy too, but B's stays private, and B's message
+       block is filed under the hash chained on S: a continuation of A's S blocks;
+    2. A finishes, then B finishes;
+    3. request D, unrelated (8 tokens), keeps running;
+    4. request E, unrelated (8 tokens), finishes.
 
-    Every request's tokens are computed as it arrives (one prefill), and a request that
-    finishes frees its block table. Afterwards no block is plainly free: every block is
-    either held by chat C or cached.
+    A table frees its blocks last-first (``BlockTable.free``). Afterwards no block is
+    plainly free: every block is either held by D or cached.
     """
     allocator = BlockAllocator(EX2_POOL, EX2_BLOCK_SIZE, enable_prefix_caching=policy)
     scenario = Scenario(allocator)
     system = list(range(100, 100 + EX2_SYSTEM))
-    steps = [("A", system + [201, 202, 203, 204], True),
-             ("B", system + [301, 302, 303, 304], True),
-             ("C", system + [401, 402, 403, 404, 405, 406], False),
-             ("A, turn 2", system + [201, 202, 203, 204, 211, 212, 213, 214], True),
-             ("D", [501, 502, 503, 504, 505, 506, 507, 508], True)]
-    for name, prompt, finishes in steps:
-        table = BlockTable(allocator)
-        reused = table.reuse_cached_prefix(prompt, len(prompt) - 1)
-        table.append_tokens(prompt[reused:])
-        scenario.log.append(f"{name}: {len(prompt)} tokens, {reused} from the cache, blocks {table.block_ids}"
-                            + ("; finishes" if finishes else "; keeps running"))
-        if finishes:
-            table.free()
-        else:
+    batches = [[("A", system + [201, 202, 203, 204]), ("B", system + [301, 302, 303, 304])],
+               [("D", [501, 502, 503, 504, 505, 506, 507, 508])],
+               [("E", [601, 602, 603, 604, 605, 606, 607, 608])]]
+    finishing = ["A", "B", "E"]          # in this order, each after its batch
+    for batch in batches:
+        # As the scheduler does: every request of the batch gets its cached prefix and its
+        # slots first; the blocks are published once the iteration has computed their K/V.
+        running = []
+        for name, prompt in batch:
+            scenario.prompts[name] = prompt
+            table = BlockTable(allocator)
+            reused = table.reuse_cached_prefix(prompt, len(prompt) - 1)
+            table.append_tokens(prompt[reused:], computed=False)
+            running.append((name, prompt, table, reused))
+        for name, prompt, table, reused in running:
+            computed_on = list(table.block_ids)
+            table.cache_computed_blocks(len(prompt))
             scenario.tables[name] = table
+            together = f", in one batch with {len(batch) - 1} more" if len(batch) > 1 else ""
+            switched = ("" if table.block_ids == computed_on else
+                        f"; published: the cache kept an earlier copy, the table now holds {table.block_ids}")
+            scenario.log.append(f"{name}: {len(prompt)} tokens{together}, {reused} from the cache, computed "
+                                f"on blocks {computed_on}{switched}")
+        for name in [n for n in finishing if n in scenario.tables]:
+            scenario.tables.pop(name).free()
+            scenario.log.append(f"{name} finishes")
+    scenario.log.append(", ".join(scenario.tables) + " keeps running")
     allocator.check_invariants()
     return scenario
 
@@ -203,14 +221,21 @@ def _evictions_after(scenario: Scenario, count: int = EX2_EVICTIONS) -> list[int
 
 @functools.lru_cache(maxsize=None)
 def _ex2_measured() -> tuple[tuple[int, ...], tuple[int, ...], frozenset[int], tuple[int, ...]]:
-    """(the radix tree's eviction order, the hash cache's, the blocks chat C holds, the last
-    block of each unreferenced leaf before any eviction, least recently used first)."""
+    """(the radix tree's eviction order, the hash cache's, the blocks the running requests
+    hold, the last block of each unreferenced leaf before any eviction, least recently used
+    first)."""
     radix = eviction_scenario("radix")
     held = frozenset(_held_blocks(radix))
     tails = tuple(leaf.block_ids[-1] for leaf in radix.allocator.radix.evictable_leaves())
     order = tuple(_evictions_after(radix))
     hashed = tuple(_evictions_after(eviction_scenario("hash")))
     return order, hashed, held, tails
+
+
+def _holder(block: int) -> str:
+    """The running request of a fresh scenario whose table holds ``block``."""
+    tables = eviction_scenario("radix").tables
+    return next(name for name, table in tables.items() if block in table.block_ids)
 
 
 def _children_below(block: int) -> list[int]:
@@ -248,24 +273,29 @@ def _read_blocks(name: str, value: object) -> list[int]:
 
 @graded("10.2")
 def check_eviction_order(evicted: object) -> None:
-    """Exercise 10.2: after ``eviction_scenario()`` the pool of 9 blocks has no free block left.
+    """Exercise 10.2: after ``eviction_scenario()`` the pool of 8 blocks has no free block left.
     Three requests each need one new block: give the ids of the three blocks the radix tree
     evicts for them, in order (a list such as ``[x, y, z]``)."""
     order, hashed, held, tails = _ex2_measured()
     blocks = _read_blocks("evicted", evicted)
     if blocks == list(order):
-        note = ("The hash cache, freeing each table tail first, would have evicted the same blocks in the "
-                "same order here." if hashed == order else
-                f"The hash cache's LRU list would have taken {list(hashed)}.")
+        note = ("The hash cache would have evicted the same blocks in the same order here." if hashed == order
+                else f"The hash cache's plain LRU queue over blocks would have taken {list(hashed)}: a prefix "
+                     "before the cached block that continues it, which then stays in memory, unreachable.")
         passed(f"Exercise 10.2: {order[0]}, then {order[1]}, then {order[2]}: least recently used leaves "
                f"first, never a referenced block, and a parent only once its children are gone. {note}")
         return
+    if blocks == list(hashed):
+        fail("evicted: that is a plain LRU queue over blocks, the order in which their last holders let them "
+             "go (what the hash cache evicts). The tree evicts leaves only: a block goes only once nothing "
+             "cached continues its prefix. Look at the tree's shape: which blocks are leaves, and when does "
+             "a parent become one?")
     for b in blocks:
         if b >= EX2_POOL:
             fail(f"evicted: {b} is not a block of this pool (ids 0 to {EX2_POOL - 1}).")
         if b in held:
-            fail(f"evicted: block {b} is held by chat C, which is still running (reference count > 0): "
-                 "a referenced block is never evicted.")
+            fail(f"evicted: block {b} is held by request {_holder(b)}, which is still running (reference "
+                 "count > 0): a referenced block is never evicted.")
     for k, b in enumerate(blocks):
         below = [c for c in _children_below(b) if c not in blocks[:k]]
         if below:
@@ -279,7 +309,7 @@ def check_eviction_order(evicted: object) -> None:
         fail("evicted: the right blocks, in the wrong order. Among the leaves, which was used longest ago? "
              "And when a leaf goes, what does its parent become?")
     fail("evicted: not the blocks the tree evicts. Take the leaves whose blocks nobody holds, and order "
-         "them by their last use (a match counts as a use).")
+         "them by their last use (a match, a publish and a release all count as a use).")
 
 
 def answer_forms() -> dict[str, list[str]]:

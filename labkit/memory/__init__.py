@@ -4,6 +4,7 @@ Layer 1 of labkit: it knows block ids and token ids, never tensors.
 """
 
 from .allocator import BlockAllocator, CacheEntry, NoFreeBlocksError
+from .beam_tree import Beam, BeamTree
 from .block_table import BlockTable, CopyOnWrite
 from .prefix_cache import (ROOT_HASH, HashPrefixCache, hash_block, hash_full_blocks, hash_prefix,
                            prefix_cache_policy)
@@ -12,7 +13,7 @@ from .waste import (ContiguousAllocator, Hole, SeqUsage, Waste, contiguous_waste
                     live_paged_waste, paged_waste, reservation)
 
 __all__ = [
-    "BlockAllocator", "BlockTable", "CacheEntry", "CopyOnWrite", "NoFreeBlocksError",
+    "Beam", "BeamTree", "BlockAllocator", "BlockTable", "CacheEntry", "CopyOnWrite", "NoFreeBlocksError",
     "ROOT_HASH", "HashPrefixCache", "hash_block", "hash_full_blocks", "hash_prefix", "prefix_cache_policy",
     "RadixNode", "RadixTree",
     "ContiguousAllocator", "Hole", "SeqUsage", "Waste", "contiguous_waste", "live_paged_waste",

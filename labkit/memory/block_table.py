@@ -204,6 +204,31 @@ class BlockTable:
         child.num_cached_tokens = self.num_cached_tokens
         return child
 
+    def copy_to(self, dst: BlockAllocator,
+                moved: dict[int, int]) -> tuple["BlockTable", list[CopyOnWrite]]:
+        """A table holding this table's tokens on blocks of ``dst`` (the other pool: swapping
+        out to the host, or back in), and the ``(source block, destination block)`` copies that
+        fill them. ``moved`` maps source blocks already copied in the same move: a block shared
+        by several tables is copied once and its copy shared by reference count; it gains the
+        new copies. This table is left as it is (its caller frees it). The new table republishes
+        its full blocks to ``dst``'s prefix cache only once they hold KV there
+        (``cache_computed_blocks``)."""
+        self._check_live()
+        new = BlockTable(dst)
+        pairs: list[CopyOnWrite] = []
+        for src in self.block_ids:
+            to = moved.get(src)
+            if to is None:
+                to = moved[src] = dst.allocate()
+                pairs.append((src, to))
+            else:
+                dst.incref(to)
+            dst.set_fill(to, self.allocator.fill(src))
+            new.block_ids.append(to)
+        new.token_ids = list(self.token_ids)
+        new.num_cached_tokens = self.num_cached_tokens
+        return new, pairs
+
     def free(self) -> None:
         """Let go of every block; the table cannot be used afterwards.
 

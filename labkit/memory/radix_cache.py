@@ -11,7 +11,8 @@ evict:
   a few-shot prompt, a branch of a tree-of-thought all find their shared prefix as one path;
 * **eviction** takes the least recently used *leaf* first, so a prefix stays as long as
   something cached below it does (the hash cache's LRU may drop a system prompt's block and
-  keep the orphaned blocks after it, which no lookup can reach any more);
+  keep the orphaned blocks after it: no lookup reaches them until a request computes that
+  block again, and then, content-addressed, they are found again);
 * **insertion** publishes a sequence's computed blocks as one path, at every chunk boundary
   of its prefill and as its decode fills blocks: requests running at the same time share.
 
@@ -34,6 +35,12 @@ Invariants the tree keeps with its allocator (``check`` asserts them):
   when a sequence publishes a block the tree already holds (two requests computed the same
   prefix at once), it switches to the tree's block and gives its own copy back (SGLang does
   the same), so the prefix is stored once;
+* blocks may be shared before they are published (a fork before publishing; n > 1 samples
+  or beams swapped back in together, ``BlockTable.copy_to``). Tables share only prefixes,
+  so the holders of a sequence's unpublished blocks only ever drop out along it: ``publish``
+  makes one node per run of equal reference counts, and never switches a *shared* copy for
+  the tree's block (its other holders would keep it, below a path they do not hold): that
+  sequence publishes nothing further until its copy is its own (or the tree's is evicted);
 * only unreferenced leaves are evicted, least recently used first, one block at a time from
   the leaf's end (the allocator asks for one block at a time).
 
@@ -196,7 +203,9 @@ class RadixTree:
     def publish(self, table: BlockTable, num_computed_tokens: int) -> None:
         """Insert the table's full blocks within its first ``num_computed_tokens`` tokens
         (their K/V is written) as a path. Where the tree already holds a block for the same
-        prefix, the table switches to it and its own copy goes back to the pool."""
+        prefix, the table switches to it and its own copy goes back to the pool; unless other
+        tables share that copy: then publication stops there, and the next call retries
+        (``table.num_published_blocks`` says how far it got)."""
         bs = self.block_size
         upto = num_computed_tokens // bs
         if upto <= table.num_published_blocks:
@@ -207,6 +216,15 @@ class RadixTree:
         while i < upto:
             child = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
             if child is None:
+                break
+            if ids[i] != child.block_ids[0] and self._refs[ids[i]] > 1:
+                # Our copy is shared with tables that have not published it (n > 1 samples or
+                # beams back from a swap, a fork before publishing). Switching to the tree's
+                # block alone would leave them holding blocks below a path they do not hold.
+                # Stop: the prefix is cached already; we publish once our copy is ours alone.
+                # (A node's first block tells: if it is the tree's we hold the whole node, and
+                # if our copy of it is private, so are the ones after it.)
+                upto = i
                 break
             k = self._common_blocks(child, tokens, i * bs, upto * bs)
             if k < len(child.block_ids):
@@ -220,11 +238,16 @@ class RadixTree:
                     self.num_deduplicated += 1
             child.last_access = self._clock
             node, i = child, i + k
-        if i < upto:
-            new_blocks = ids[i:upto]
-            new_tokens = tuple(tokens[i * bs:upto * bs])
-            if (node is not self.root and node.is_leaf
-                    and all(self._refs[b] == self._refs[node.block_ids[-1]] for b in new_blocks)):
+        # The new blocks, as nodes of blocks with the same holders. Whoever holds a block
+        # holds every block before it (tables share prefixes), so along the table the holders
+        # only ever drop out: a run of equal reference counts is a run of the same holders.
+        while i < upto:
+            count = self._refs[ids[i]]
+            end = i + 1
+            while end < upto and self._refs[ids[end]] == count:
+                end += 1
+            new_blocks, new_tokens = ids[i:end], tuple(tokens[i * bs:end * bs])
+            if node is not self.root and node.is_leaf and self.ref_count(node) == count:
                 node.token_ids += new_tokens        # the same holders extend their leaf
                 node.block_ids += new_blocks
             else:
@@ -232,7 +255,8 @@ class RadixTree:
             node.last_access = self._clock
             for b in new_blocks:
                 self._node_of[b] = node
-        table.num_published_blocks = upto
+            i = end
+        table.num_published_blocks = i
 
     def released(self, block_id: int) -> None:
         """A cached block lost its last holder: it stays cached, now evictable."""
@@ -240,8 +264,7 @@ class RadixTree:
         node = self._node_of[block_id]
         self._clock += 1
         node.last_access = self._clock
-        if self._refs[node.block_ids[0]] == 0:     # the node's last holder let go of all of it
-            self._push_if_evictable(node)
+        self._push_if_evictable(node)      # (re)queued at its new time; older entries go stale
 
     def revived(self, block_id: int) -> None:
         """An unreferenced cached block gained a holder (a hit): no longer evictable."""
@@ -343,8 +366,9 @@ class RadixTree:
         return k
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:
-        """Cut ``node`` after its first ``k`` blocks; return the new upper part (the node
-        object keeps the lower part, its children and its place in the LRU heap)."""
+        """Cut ``node`` after its first ``k`` blocks; return the new upper part, a node with
+        one child. The node object keeps the lower part and its children; it stays exactly
+        as evictable as it was (same last block, same children), and is queued if it is."""
         bs = self.block_size
         upper = RadixNode(node.token_ids[:k * bs], node.block_ids[:k], node.parent,
                           hit_count=node.hit_count, last_access=node.last_access, id=self._new_id())
@@ -354,6 +378,7 @@ class RadixTree:
         upper.children[node.token_ids[:bs]] = node
         for b in upper.block_ids:
             self._node_of[b] = upper
+        self._push_if_evictable(node)
         return upper
 
     def _add_child(self, parent: RadixNode, token_ids: tuple[int, ...], block_ids: list[int]) -> RadixNode:

@@ -10,13 +10,26 @@ finished leave the batch at once, their blocks returning to the pool: the next i
 can admit a waiting request into the room they left. That is continuous batching.
 
 When a running sequence needs a block and none is free, the most recently admitted
-sequence is *preempted by recompute*: its blocks are freed and it goes back to the head
-of the waiting queue with every token it has, to be recomputed (prefilled) when memory
-returns. It loses nothing; it only pays the recompute.
+sequence is *preempted*, in one of two ways (``preemption_mode``, as vLLM v0):
+
+- **recompute** (the default): its blocks are freed and it goes back to the head of the
+  waiting queue with every token it has, to be prefilled again when memory returns.
+- **swap**: its KV blocks are copied to a pool of host blocks (``host_allocator``) and it
+  waits in the ``swapped`` queue, its computed tokens kept (a swapped sequence always has
+  some: one that computed nothing is simply sent to wait). Swapped requests come back,
+  oldest first, before any waiting request is admitted; their blocks are copied back and
+  they go on where they stopped. When the host pool is full, swap falls back to recompute.
+  ``SchedulerOutput.swap_out`` / ``swap_in`` tell the executor which blocks to copy.
+
+Either way the sequence loses nothing; it pays the recompute, or the copies.
+
+Beam search: a request's beams step together (``labkit.beam_search``), so they are
+planned, preempted, swapped, swapped in and admitted together, all or none.
 
 A sequence ends in one place, ``finish_sequence``, whatever ends it: a stop token or
-string, its length, an abort. It sets the finish reason once, returns the blocks (policy
-hook ``_release``), and retires the request when its last sequence is done.
+string, its length, an abort, or, for a beam, being pruned by the beam step (finish
+reason ``"pruned"``). It sets the finish reason once, returns the blocks (policy hook
+``_release``), and retires the request when its last sequence is done.
 
 Policy hooks (``_admit``, ``_release``, ``_batch_may_grow``) let the static-batching
 baseline (``static.py``) reuse everything else.
@@ -27,9 +40,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Iterable
 
-from ..beam_search import BeamSearch
+from ..beam_search import BeamSearch, num_candidates
 from ..memory import BlockAllocator, BlockTable
 from ..request import Request, Sequence, Status
+from ..sampling_params import MAX_LOGPROBS
 from ..utils import cdiv
 from .records import ScheduledSeq, SchedulerOutput, StepRecord, held_slot_fill, kv_cache_usage
 
@@ -104,7 +118,9 @@ class Scheduler:
         self.num_swap_ins = 0             # sequences swapped back in
         self.num_swapped_blocks_out = 0   # block copies device -> host
         self.num_swapped_blocks_in = 0    # block copies host -> device
-        self.num_swap_fallbacks = 0       # swap preemptions that recomputed: the host pool was full
+        # Swap-mode preemptions that recomputed: the host pool was full, a sibling beam had to
+        # be recomputed (beams swap all or none), or the victim had no K/V computed yet.
+        self.num_swap_fallbacks = 0
         # This iteration's swaps, gathered by _preempt / the swap-in phase for SchedulerOutput.
         self._step_swap_out: list[tuple[int, int]] = []
         self._step_swap_map: dict[int, int] = {}   # device block -> its host copy, this iteration
@@ -118,6 +134,8 @@ class Scheduler:
         if request.beam is not None:
             request.beam_search = BeamSearch(request.beam, self.eos_token_ids,
                                              self._max_len(request) - len(request.prompt_token_ids))
+            # Each beam reports as many log-probabilities as the step keeps candidates.
+            request.params.logprobs = request.beam_search.num_candidates
         self.requests[request.request_id] = request
         self.waiting.extend(request.seqs)
 
@@ -160,6 +178,12 @@ class Scheduler:
         run in one batch, and after a preemption by recompute each beam holds its own copy
         of every block (sharing resumes only at the next forks)."""
         rid, k = request.request_id, request.beam.beam_width
+        wanted = num_candidates(request.beam, self.eos_token_ids)
+        if wanted > MAX_LOGPROBS:
+            raise ValueError(
+                f"request {rid!r}: beam_width={k} with {len(self.eos_token_ids)} EOS ids needs the "
+                f"{wanted} best tokens of each beam (max(2, 1 + EOS ids) x beam_width), more than the "
+                f"{MAX_LOGPROBS} log-probabilities reported per token: lower beam_width or set ignore_eos")
         if k > self.max_num_seqs:
             raise ValueError(f"request {rid!r}: beam_width={k} beams exceed max_num_seqs={self.max_num_seqs} "
                              "(the beams of a request run in the same batch)")
@@ -500,16 +524,19 @@ class Scheduler:
         """Take ``seq`` out of the running batch, keeping every token.
 
         In "swap" mode its KV blocks are copied to host blocks and it waits in ``swapped``,
-        its ``num_computed_tokens`` kept (``_swap_out``). In "recompute" mode, or when the
-        host pool cannot take its blocks (counted in ``num_swap_fallbacks``), its KV is
-        dropped and it goes to the head of the waiting queue, to be prefilled again.
+        its ``num_computed_tokens`` kept (``_swap_out``). In "recompute" mode, or when it
+        cannot be swapped (counted in ``num_swap_fallbacks``), its KV is dropped and it goes
+        to the head of the waiting queue, to be prefilled again.
         """
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        # A table holding more than the computed tokens (grown for this iteration already)
-        # has slots with no K/V yet to copy: such a sequence is recomputed.
-        if self.preemption_mode == "swap" and seq.block_table.num_tokens == seq.num_computed_tokens:
-            if self._swap_out(seq):
+        if self.preemption_mode == "swap":
+            # Only computed K/V is swapped. A sequence that computed nothing yet (a beam
+            # admitted with no chunk) has none: it just waits, so a SWAPPED sequence always
+            # has num_computed_tokens > 0. Nor may its table hold slots grown for this
+            # iteration (no K/V in them yet to copy).
+            table = seq.block_table
+            if seq.num_computed_tokens and table.num_tokens == seq.num_computed_tokens and self._swap_out(seq):
                 return
             self.num_swap_fallbacks += 1
         seq.block_table.free()
@@ -534,14 +561,17 @@ class Scheduler:
         together = [seq]
         if seq.request.beam is not None:
             # Beams are swapped all or none: with those preempted beside it (running, out of
-            # the running list), unless one of them already had to be recomputed.
+            # the running list), unless one of them already had to be recomputed, or will
+            # be (it computed nothing yet: no K/V to swap).
             if any(s.status is Status.WAITING for s in seq.request.seqs):
                 return False
             together = [s for s in seq.request.seqs if s.status is Status.RUNNING and s not in self.running]
+            if not all(s.num_computed_tokens for s in together):
+                return False
         new = {b for s in together for b in s.block_table.block_ids} - self._step_swap_map.keys()
         if len(new) > self.host_allocator.num_free_blocks:
             return False
-        host_table, pairs = _move_blocks(table, self.host_allocator, self._step_swap_map)
+        host_table, pairs = table.copy_to(self.host_allocator, self._step_swap_map)
         device_blocks = list(table.block_ids)
         table.free()
         for b in device_blocks:
@@ -558,10 +588,16 @@ class Scheduler:
 
     def _swap_in_phase(self, budget: int, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]],
                        swap_in: list[tuple[int, int]], swapped_in: list[Sequence]) -> int:
-        """Bring swapped requests back, oldest first, while device blocks, batch slots and
-        tokens allow, and schedule them in this iteration. All of a request's swapped
-        sequences come back at once (beams return together), except when nothing else
-        runs and they do not all fit: then as many as fit, so that nobody waits forever.
+        """Bring swapped requests back, a request at a time, oldest first, while device
+        blocks and batch slots allow, and schedule them in this iteration (FCFS: when the
+        oldest cannot come back, nobody overtakes it).
+
+        A request's swapped sequences come back together. A beam-search request's beams
+        always do, all or none: they step together, so a beam back alone would wait for
+        siblings that could never follow. A beam may come back computing nothing in this
+        iteration (its siblings used the token budget). The samples of an n > 1 request
+        are independent: when nothing else runs and they do not all fit, as many as fit
+        come back, so that nobody waits forever (the rest follow as room frees).
         Returns the token budget left."""
         width = self._num_seq_slots_promised()
         while self.swapped and budget > 0:
@@ -572,8 +608,8 @@ class Scheduler:
                 seq_width = sum(s.request.width for s in group)
                 if plan is not None and width + seq_width <= self.max_num_seqs:
                     break
-                if self.running:
-                    return budget           # FCFS: wait until running sequences make room
+                if self.running or request.beam is not None:
+                    return budget           # wait until running sequences make room
                 group.pop()
             if not group:
                 return budget
@@ -581,7 +617,7 @@ class Scheduler:
             for seq in group:
                 self.swapped.remove(seq)
                 host_table = seq.block_table
-                seq.block_table, pairs = _move_blocks(host_table, self.allocator, moved)
+                seq.block_table, pairs = host_table.copy_to(self.allocator, moved)
                 host_table.free()
                 swap_in += pairs
                 self.num_swapped_blocks_in += len(pairs)
@@ -600,7 +636,11 @@ class Scheduler:
     def _swap_in_plan(self, group: list[Sequence], budget: int) -> list[int] | None:
         """Tokens each sequence of ``group`` would compute if swapped in now, or None when
         the token budget or the device blocks (for its host blocks, each copied once, and
-        for its growth, copy-on-write included) do not allow it."""
+        for its growth, copy-on-write included) do not allow it.
+
+        A beam may plan 0 tokens: it computed its token before it was swapped, or its
+        siblings used the budget. It comes back with them all the same (beams return
+        together) and computes in a later iteration. Any other sequence needs a chunk."""
         bs = self.block_size
         holders: dict[int, int] = {}
         for seq in group:
@@ -609,10 +649,9 @@ class Scheduler:
         need, plan = len(holders), []
         for seq in group:
             num_new = min(seq.num_uncomputed_tokens, budget)
-            # A beam that computed its token before it was swapped waits for its siblings:
-            # it computes nothing now (0), but must come back with them.
-            if seq.num_uncomputed_tokens and (
-                    num_new < 1 or (num_new < seq.num_uncomputed_tokens and not self.enable_chunked_prefill)):
+            if num_new < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+                num_new = 0                 # the whole rest in one chunk, or nothing
+            if num_new == 0 and seq.num_uncomputed_tokens and seq.request.beam is None:
                 return None
             budget -= num_new
             plan.append(num_new)
@@ -694,6 +733,8 @@ class Scheduler:
         is copied on write when the children append). Returns the request when the search
         is over (its hypotheses are ``request.beam_search.outputs()``), else None."""
         beams = request.live_beams
+        if not beams:
+            return None                         # aborted while the batch ran: nothing to do
         if any(b.beam_logprobs is None or b.status is not Status.RUNNING for b in beams):
             return None                         # a beam is still computing: they step together
         search = request.beam_search
@@ -823,27 +864,3 @@ class Scheduler:
             num_swapped=len(self.swapped),
             num_logical_blocks=logical,
         )
-
-
-def _move_blocks(table: BlockTable, dst: BlockAllocator,
-                 moved: dict[int, int]) -> tuple[BlockTable, list[tuple[int, int]]]:
-    """A table holding ``table``'s tokens on blocks of ``dst`` (the other pool), and the
-    ``(source block, destination block)`` copies that fill them. ``moved`` maps source
-    blocks already copied in this move: a block shared by several tables is copied once
-    and its copy shared by reference count; it gains the new copies. ``table`` is left
-    as it was (its caller frees it). The new table republishes its full blocks to the
-    prefix cache once they have been computed there (``cache_computed_blocks``)."""
-    new = BlockTable(dst)
-    pairs: list[tuple[int, int]] = []
-    for src in table.block_ids:
-        to = moved.get(src)
-        if to is None:
-            to = moved[src] = dst.allocate()
-            pairs.append((src, to))
-        else:
-            dst.incref(to)
-        dst.set_fill(to, table.allocator.fill(src))
-        new.block_ids.append(to)
-    new.token_ids = list(table.token_ids)
-    new.num_cached_tokens = table.num_cached_tokens
-    return new, pairs

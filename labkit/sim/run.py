@@ -125,7 +125,7 @@ def _swap_metrics(engine: Engine, reqs: list[Request]) -> dict:
     host = sched.host_allocator
     if host is not None:
         host.check_invariants()
-    norm = [(r.finished_time - r.arrival_time) / max(1, r.seqs[0].num_output_tokens)
+    norm = [(r.finished_time - r.arrival_time) / max(1, _output_len(r))
             for r in reqs if r.finished_time is not None]
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     return {
@@ -158,8 +158,8 @@ def summarize(result: SimResult) -> dict:
     makespan = end - start
     ttft = [r.first_token_time - r.arrival_time for r in reqs if r.first_token_time is not None]
     latency = [r.finished_time - r.arrival_time for r in reqs if r.finished_time is not None]
-    tpot = [(r.finished_time - r.first_token_time) / (r.seqs[0].num_output_tokens - 1)
-            for r in reqs if r.finished_time is not None and r.seqs[0].num_output_tokens > 1]
+    tpot = [(r.finished_time - r.first_token_time) / (_output_len(r) - 1)
+            for r in reqs if r.finished_time is not None and _output_len(r) > 1]
     saved, saved_share = sharing_saving(recs)
     return {
         "policy": engine.scheduler.policy,
@@ -185,3 +185,7 @@ def summarize(result: SimResult) -> dict:
     }
 
 
+def _output_len(request) -> int:
+    """Tokens the request generated: its longest sequence (samples of n > 1 and beams of a
+    beam search end at different lengths; a beam that died early is not the answer)."""
+    return max(seq.num_output_tokens for seq in request.seqs)

@@ -45,6 +45,8 @@ CH9 = [
                                                _beams().copies), "swapped", "physical-and-logical-swapped"),
     wrong("9.1", E.check_beam_blocks, lambda: (_beams().blocks_held, _beams().blocks_held, _beams().copies),
           "own copy", "logical-equals-physical"),
+    wrong("9.1", E.check_beam_blocks, lambda: (_beams().blocks_without_sharing, _beams().blocks_without_sharing,
+                                               _beams().copies), "counted once", "counts-shared-blocks-per-table"),
     wrong("9.1", E.check_beam_blocks, lambda: (_beams().blocks_held, _beams().blocks_without_sharing,
                                                _beams().forks), "Not every fork copies", "a-copy-per-fork"),
     wrong("9.1", E.check_beam_blocks, lambda: (_beams().blocks_held, _beams().blocks_without_sharing, 0),

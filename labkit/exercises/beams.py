@@ -70,13 +70,13 @@ def check_beam_blocks(blocks_held: object, blocks_without_sharing: object, copie
     check_close("blocks_held", held, c.blocks_held, rel=0, mistakes=[
         (c.held_if_dead_kept, "A beam that is not extended at a step dies, and its table is freed at "
                               "once: its private blocks go back to the pool."),
-        (c.blocks_without_sharing, "That counts every table's blocks separately; a block named by "
-                                   "several tables is one physical block."),
+        (c.blocks_without_sharing, "Count physical blocks: a block named by several live tables is "
+                                   "one block in the pool, counted once."),
     ], hint="After the third step, list the three live beams' block tables and count the distinct "
             "physical blocks they name.")
     check_close("blocks_without_sharing", logical, c.blocks_without_sharing, rel=0, mistakes=[
-        (c.blocks_held, "That is what the beams hold with sharing; without it, every beam keeps its "
-                        "own copy of each of its blocks."),
+        (c.blocks_held, "Without sharing, every live beam keeps its own copy of each of its blocks: "
+                        "count table by table."),
     ], hint="Without sharing, each live beam needs a block for every block-size run of its tokens "
             "(prompt and generated).")
     check_close("copies", n, c.copies, rel=0, mistakes=[

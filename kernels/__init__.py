@@ -6,7 +6,10 @@ Read in this order; each file stands on its own (kernel, torch reference, launch
 2. ``paged_decode_attention.py``   one query per sequence over its blocks (GQA, online softmax)
 3. ``paged_prefill_attention.py``  chunks of queries over paged context, causally
 4. ``paged_decode_attention_cpu.py`` the decode kernel's algorithm as a Numba loop, for CPUs
-5. ``backend.py``                  "auto" | "torch" | "triton" | "cpu", and the ops of each
+5. ``csrc/``                       the same in C++ (what production CPU engines run), with the
+                                   fused element-wise ops; ``cpu_extension.py`` compiles them
+                                   on first use, for this machine's CPU
+6. ``backend.py``                  "auto" | "torch" | "triton" | "cpu", and the ops of each
 
 The KV cache of a layer is ``k_cache``, ``v_cache``: [num_blocks, block_size, num_kv_heads,
 head_dim]; a token's slot is ``block_id * block_size + offset``.
@@ -40,6 +43,7 @@ from ._common import HAS_TRITON, index_tensors_checked  # noqa: E402
 from .backend import (  # noqa: E402
     BACKENDS,
     AttentionOps,
+    FusedOps,
     get_attention_ops,
     select_attention_backend,
     triton_is_interpreted,
@@ -53,6 +57,7 @@ from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa:
 __all__ = [
     "AttentionOps",
     "BACKENDS",
+    "FusedOps",
     "HAS_TRITON",
     "get_attention_ops",
     "index_tensors_checked",

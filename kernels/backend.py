@@ -10,9 +10,11 @@ attention, prefill attention):
 * ``"torch"``: the references (gather blocks + ``scaled_dot_product_attention``). They run
   anywhere, on any dtype.
 * ``"cpu"``: the CPU's fast path ("what production does"): decode reads the paged cache
-  in place with a Numba-compiled loop (``paged_decode_attention_cpu.py``, fp32 and bf16
-  caches), fresh prompts take one causal SDPA call each (``paged_prefill_attention_cpu``),
-  the rest is the references; the model runner also packs its weights for oneDNN
+  in place, with a C++ kernel compiled for this CPU on first use (``csrc/``,
+  ``cpu_extension.py``) or, where none can be built, a Numba-compiled loop
+  (``paged_decode_attention_cpu.py``; fp32 and bf16 caches); prefill chunks of short
+  contexts go through the same C++ loop, one query row at a time, longer ones through one
+  causal SDPA call each (``paged_prefill_attention_cpu``); the rest is the references; the model runner also packs its weights for oneDNN
   (``labkit.model.llama.Linear.pack``). Chapters 5 and 6 teach from the references.
 
 ``"auto"`` picks compiled Triton where it can run, the CPU kernels on a CPU (when Numba
@@ -41,9 +43,23 @@ BACKENDS = ("auto", "torch", "triton", "cpu")
 MIN_COMPUTE_CAPABILITY = (8, 0)
 _NO_CUDA = ("torch reference: no CUDA device (Triton runs compiled on CUDA GPUs of compute "
             "capability 8.0+)")
-_CPU = ("CPU kernels: Numba decode attention reading the paged cache in place, causal SDPA "
-        "for fresh prompts, oneDNN-packed weights, torch references for the rest (no CUDA "
-        "device; Triton runs compiled on CUDA GPUs of compute capability 8.0+)")
+
+
+def _cpu_reason(why: str) -> str:
+    """What the ``cpu`` backend runs here, and why it was chosen. Building the C++ kernels
+    (once per machine, ~30 s) happens here, when the backend is chosen, not mid-generation."""
+    from . import cpu_extension
+    compiled, what = cpu_extension.status()
+    decode = ("C++ decode attention reading the paged cache in place, fused rotary/cache-write, "
+              "add+RMSNorm and SiLU*up" if compiled
+              else f"Numba decode attention reading the paged cache in place ({what})")
+    prefill = ("prefill chunks of short contexts through the same C++ loop, row by row, longer ones causal SDPA"
+               if compiled else "causal SDPA for prefill chunks")
+    return (f"CPU kernels: {decode}, {prefill}, oneDNN-packed weights, torch "
+            f"references for the rest ({why})")
+
+
+_CPU_WHY = "no CUDA device; Triton runs compiled on CUDA GPUs of compute capability 8.0+"
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,19 @@ class AttentionOps:
     reshape_and_cache: Callable[..., None]
     decode: Callable[..., torch.Tensor]
     prefill: Callable[..., torch.Tensor]
+    fused: "FusedOps | None" = None            # the CPU backend's fused element-wise ops, when built
+
+
+@dataclass(frozen=True)
+class FusedOps:
+    """Element-wise steps of a layer fused into one pass each (the ``cpu`` backend, C++:
+    ``csrc/fused_ops.cpp``). The model uses them when its ops carry them and its readable
+    torch versions otherwise (``labkit.model.llama``: ``apply_rope`` + ``reshape_and_cache``,
+    ``add_and_norm``, ``MLP.forward``)."""
+
+    rope_and_cache: Callable[..., torch.Tensor]  # (qkv, cos, sin, k_cache, v_cache, slots, num_heads) -> q
+    add_rms_norm: Callable[..., torch.Tensor]    # (residual, delta | None, weight, eps) -> normed
+    silu_and_mul: Callable[..., torch.Tensor]    # ([gate | up]) -> silu(gate) * up
 
 
 def triton_is_interpreted() -> bool:
@@ -89,12 +118,12 @@ def select_attention_backend(requested: str = "auto",
             raise RuntimeError(f"attention backend 'cpu' runs on CPU tensors, not on {device}")
         if not HAS_NUMBA:
             raise RuntimeError(f"attention backend 'cpu' needs Numba ({NUMBA_IMPORT_ERROR}); use 'torch'")
-        return "cpu", "CPU kernels: requested"
+        return "cpu", _cpu_reason("requested")
 
     if device.type != "cuda" or not torch.cuda.is_available():
         if requested == "auto":
             if device.type == "cpu" and HAS_NUMBA:
-                return "cpu", _CPU
+                return "cpu", _cpu_reason(_CPU_WHY)
             return "torch", _NO_CUDA
         if device.type == "cuda":
             raise RuntimeError(f"attention backend 'triton' on {device}: no CUDA device is available")
@@ -146,4 +175,10 @@ def get_attention_ops(backend: str) -> AttentionOps:
     if backend == "triton" and not HAS_TRITON:
         raise RuntimeError(f"attention backend 'triton' needs Triton, which is not installed "
                            f"({TRITON_IMPORT_ERROR}); use 'torch'")
+    if backend == "cpu":
+        from . import cpu_extension
+        ext = cpu_extension.load()
+        if ext is not None:  # the C++ build adds the fused element-wise ops
+            return AttentionOps("cpu", reshape_and_cache_ref, paged_decode_attention_cpu, paged_prefill_attention_cpu,
+                                FusedOps(ext.rope_and_cache, ext.add_rms_norm, ext.silu_and_mul))
     return {"torch": _TORCH_OPS, "triton": _TRITON_OPS, "cpu": _CPU_OPS}[backend]

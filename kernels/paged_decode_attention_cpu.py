@@ -3,9 +3,16 @@
 The torch reference (``paged_decode_attention_ref``) gathers every sequence's blocks into
 a dense tensor and then attends: the K/V bytes are copied once more than they need to be,
 and decode is memory-bound, so that copy costs about as much as the attention itself.
-This kernel reads K and V *in place*, following the block table exactly as the Triton
-kernel does, and is compiled by Numba (``@njit(parallel=True)``): one task per
-sequence, spread over the CPU cores.
+The kernels here read K and V *in place*, following the block table exactly as the Triton
+kernel does. There are two, with one algorithm:
+
+* **the Numba loop** in this file (``@njit(parallel=True)``), the one to read: Python
+  syntax, one task per sequence, spread over the CPU cores;
+* **the C++ kernel** (``csrc/paged_decode_attention.cpp``, compiled on this machine by
+  ``cpu_extension.py``), what production CPU engines run: head_dim fixed at compile time,
+  the next block prefetched while this one is computed, and torch's own thread pool. It is
+  used whenever it could be built (about 2x faster in fp32 and 2.5x in bf16 here: ``python
+  -m labkit.bench kernels``); ``impl="numba"`` asks for the loop.
 
 Each task walks its sequence's blocks in order, as the GPU kernel walks its tiles:
 
@@ -23,12 +30,11 @@ K and V are each read once, in place, and the block's scores never leave the L1 
 Same signature as the reference; fp32 and bf16 caches (bf16 is widened to fp32 block by
 block, in L1); other dtypes fall back to the reference.
 
-The loop is compiled without bounds checks (``boundscheck=False``: a check per load would
-cost more than the load). So the arguments are checked once per call, before it runs,
-with the reference's checks (``_common.check_attention_inputs``): shapes, dtypes,
-devices, every context length against its table row, every block id a sequence uses
-against the cache. A bad block id is a ``ValueError`` that names it, not a segfault or
-a silent read of another sequence's memory.
+The loops are compiled without bounds checks (a check per load would cost more than the
+load). So the arguments are checked once per call, before they run, with the reference's
+checks (``_common.check_attention_inputs``): shapes, dtypes, devices, every context length
+against its table row, every block id a sequence uses against the cache. A bad block id is
+a ``ValueError`` that names it, not a segfault or a silent read of another sequence's memory.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import os
 import numpy as np
 import torch
 
+from . import cpu_extension
 from ._common import check_attention_inputs
 from .paged_decode_attention import decode_attention_torch
 
@@ -202,21 +209,41 @@ if HAS_NUMBA:
     _decode_kernel_bf16 = njit(parallel=True, fastmath=True, cache=True, boundscheck=False)(_decode_kernel_bf16)
 
 
+IMPLS = ("auto", "cpp", "numba")
+
+
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """Decode attention over the paged cache, read in place (same contract as the reference)."""
-    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)  # the loop trusts them
-    usable = (HAS_NUMBA and q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
+                               scale: float, *, impl: str = "auto") -> torch.Tensor:
+    """Decode attention over the paged cache, read in place (same contract as the reference).
+
+    ``impl``: "auto" (the C++ kernel where it was built and has these shapes, else the Numba
+    loop), "cpp" or "numba" (that one, or an error saying why it cannot run)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)  # the loops trust them
+    usable = (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
               and k_cache.is_contiguous() and v_cache.is_contiguous())
-    if not usable:
-        return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+    ext = cpu_extension.load() if usable and impl != "numba" else None
+    if ext is not None and not ext.supports(q.shape[2], q.shape[1] // k_cache.shape[2], k_cache.shape[1]):
+        ext = None
+    if impl == "cpp" and ext is None:
+        raise RuntimeError("the C++ decode kernel cannot run here: " + (
+            cpu_extension.status()[1] if usable else "it needs contiguous fp32/bf16 CPU caches")
+            + " (or these shapes have no kernel)")
+    if impl == "numba" and not (usable and HAS_NUMBA):
+        raise RuntimeError(f"the Numba decode kernel cannot run here ({NUMBA_IMPORT_ERROR or 'not CPU fp32/bf16 caches'})")
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    if ext is not None:
+        return ext.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, tables, lens,
+                                          float(scale)).to(q.dtype)
+    if not (usable and HAS_NUMBA):
+        return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
     _start_numba_pool()
     out = torch.empty(q.shape, dtype=torch.float32)
-    args = (block_tables.to(torch.int32).contiguous().numpy(), context_lens.to(torch.int32).contiguous().numpy(),
-            np.float32(scale), out.numpy())
+    args = (tables.numpy(), lens.numpy(), np.float32(scale), out.numpy())
     q32 = q.float().contiguous().numpy()
     if k_cache.dtype == torch.float32:
         _decode_kernel(q32, k_cache.numpy(), v_cache.numpy(), *args)

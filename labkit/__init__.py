@@ -11,6 +11,10 @@ batching), ``labkit.model`` (a Llama on paged KV), ``labkit.engine`` (the loop),
 ``labkit.llm`` and ``labkit.server`` (the APIs).
 """
 
+from .openmp import configure_openmp_wait
+
+configure_openmp_wait()  # before anything loads torch's OpenMP runtime: see labkit/openmp.py
+
 from .outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
 

@@ -224,17 +224,8 @@ class LLM:
         """Check everything first, then queue: a ValueError leaves the engine untouched.
         A request the engine refuses (too long, token ids outside the vocabulary) becomes
         an error output, and the others go on."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_token_id(prompts[0])):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        prompts, params = pair_prompts_with_params(prompts, sampling_params)
         for p in params:
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"expected SamplingParams, got {type(p).__name__}")
             p.validate()
         encoded = [encode_prompt(prompt, self.tokenizer) for prompt in prompts]
         out: list[Request | RequestOutput] = []
@@ -275,6 +266,23 @@ class LLM:
     @property
     def allocator(self) -> BlockAllocator:
         return self.engine.scheduler.allocator
+
+
+def pair_prompts_with_params(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+    """``generate``'s arguments as vLLM takes them: one prompt (text or token ids) or a list
+    of them, and one SamplingParams for all (None: the defaults) or one each.
+    Returns two lists of equal length; a count or type mismatch is a ValueError."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_token_id(prompts[0])):
+        prompts = [prompts]
+    prompts = list(prompts)
+    sampling_params = SamplingParams() if sampling_params is None else sampling_params
+    params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(p).__name__}")
+    return prompts, params
 
 
 def _check_swap_args(mode, swap_space, num_host_blocks) -> None:

@@ -154,7 +154,7 @@ def test_the_report_scores_against_the_reference_and_shows_the_change_under_cont
     assert report["ratio_change_under_contention"]["labkit/hf-static"] == pytest.approx(0.25)
     text = serve.format_report(report)
     assert "labkit/hf-static 2.00x" in text and "+25.0%" in text
-    assert "vllm       skipped: RuntimeError: vllm is not importable" in text
+    assert "vllm         skipped: RuntimeError: vllm is not importable" in text
     assert "2/2" in text and "1/2" in text
 
 
@@ -223,6 +223,22 @@ def test_a_child_run_by_another_interpreter_times_quiet_and_contended(tmp_path, 
     assert r["output_tok_per_s"] > 0 and r["contended_output_tok_per_s"] > 0
     assert r["requests_matching_reference"] == 2 and r["contended_requests_matching_reference"] == 2
 
+
+
+@pytest.mark.slow
+def test_labkit_and_labkit_numba_run_side_by_side_and_agree(tmp_path, capsys):
+    """``labkit-numba`` is labkit with its C++ kernels off, in its own process: same tokens,
+    its own throughput, the ratio between them from the same run."""
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({"requests": [{"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 6},
+                                                 {"prompt_token_ids": list(range(1, 40)), "max_tokens": 5}]}))
+    assert serve.main(["--model", "tiny-llama", "--engines", "labkit,labkit-numba", "--workload", str(workload),
+                       "--kv-gib", "0.05", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    fast, numba = report["engines"]["labkit"], report["engines"]["labkit-numba"]
+    assert "skipped" not in fast and "skipped" not in numba, (fast, numba)
+    assert fast["requests_matching_reference"] == 2 and numba["requests_matching_reference"] == 2
+    assert "labkit/labkit-numba" in report["ratios"] or "labkit-numba/labkit" in report["ratios"]
 
 FAKE_VLLM = '''
 """A stand-in for vllm with its offline API's shape: answers each request with

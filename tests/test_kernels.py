@@ -708,20 +708,28 @@ def test_choose_partition_size_splits_only_small_grids_with_long_contexts():
 from labkit.kernels.paged_prefill_attention import paged_prefill_attention_cpu  # noqa: E402
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(block_size=st.sampled_from([8, 16]), kv_heads=st.integers(1, 3), group=st.sampled_from([1, 3]),
        head_dim=st.sampled_from([16, 64]),
        chunks=st.lists(st.tuples(st.sampled_from([0, 0, 5, 17]), st.integers(1, 40)), min_size=1, max_size=5),
-       seed=st.integers(0, 2**16))
-def test_cpu_prefill_matches_naive_on_mixed_batches(block_size, kv_heads, group, head_dim, chunks, seed):
-    """Fresh prompts take the causal SDPA path, the others the reference, in one call: the
-    result is the naive attention whatever the mix (prefix hits, one-token chunks, NaN in
-    every slot nobody owns)."""
+       seed=st.integers(0, 2**16), rows_max_context=st.sampled_from([0, 20, 10_000]))
+def test_cpu_prefill_matches_naive_on_mixed_batches(block_size, kv_heads, group, head_dim, chunks, seed,
+                                                    rows_max_context):
+    """Short contexts take the C++ row kernel (where it runs vectorized), the others SDPA
+    (causal for fresh prompts, masked after earlier tokens), in one call: the result is the
+    naive attention whatever the mix (prefix hits, one-token chunks, NaN in every slot
+    nobody owns). ``rows_max_context`` moves the line between the two paths: none, some,
+    all of the chunks on the row kernel."""
+    prefill = sys.modules[paged_prefill_attention_cpu.__module__]  # the module, not the function it exports
     num_heads = kv_heads * group
     q, k_cache, v_cache, tables, lens, starts, chunk_lens = make_prefill_batch(
         block_size, num_heads, kv_heads, head_dim, chunks, seed=seed)
     scale = head_dim ** -0.5
-    out = paged_prefill_attention_cpu(q, k_cache, v_cache, tables, lens, starts, scale)
+    saved, prefill.ROWS_MAX_CONTEXT = prefill.ROWS_MAX_CONTEXT, rows_max_context
+    try:
+        out = paged_prefill_attention_cpu(q, k_cache, v_cache, tables, lens, starts, scale)
+    finally:
+        prefill.ROWS_MAX_CONTEXT = saved
     expect = naive_attention(q, k_cache, v_cache, tables, lens, chunk_lens, scale)
     torch.testing.assert_close(out.double(), expect, **TOL[torch.float32])
 

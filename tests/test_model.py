@@ -503,8 +503,9 @@ def test_smollm2_logits_match_hf(smol):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_smollm2_greedy_matches_hf_generate(smol, backend):
-    """The readable reference and the CPU fast path (packed weights, Numba decode, causal
-    SDPA for fresh prompts) both give Transformers' greedy tokens in fp32."""
+    """The readable reference and the CPU fast path (packed weights, C++ or Numba decode,
+    prompts row by row through the same loop or SDPA) both give Transformers' greedy tokens
+    in fp32."""
     if backend == "cpu":
         _cpu_backend_or_skip()
     hf = smol.hf_model()

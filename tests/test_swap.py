@@ -164,11 +164,22 @@ def test_beam_search_under_swap_equals_no_preemption(tiny_prompts):
     def beams(llm):
         outs = llm.beam_search(tiny_prompts[:4], params)
         assert_both_pools_free(llm.scheduler)
-        return [[(s.output_token_ids, round(s.cum_logprob, 4)) for s in o.sequences] for o in outs]
+        return [[(s.output_token_ids, s.cum_logprob) for s in o.sequences] for o in outs]
+
+    def tokens(result):
+        return [[t for t, _ in seqs] for seqs in result]
+
+    def logprobs(result):
+        return [lp for seqs in result for _, lp in seqs]
     want = beams(tiny("recompute", num_blocks=512))
     for host_blocks in (64, 3):         # room for every beam group; for none: beams swap all or none
         llm = tiny(num_blocks=24, max_num_seqs=12, num_host_blocks=host_blocks)
-        assert beams(llm) == want, host_blocks
+        got = beams(llm)
+        assert tokens(got) == tokens(want), host_blocks
+        # A group that falls back to recomputation re-prefills its K/V in one batched pass, not
+        # token by token: the same maths, rounded in another order (fp32), so the scores agree
+        # to float rounding, not bit for bit.
+        assert logprobs(got) == pytest.approx(logprobs(want), abs=1e-3), host_blocks
         stats = llm.stats()
         assert stats["num_swap_outs" if host_blocks == 64 else "num_swap_fallbacks"] > 0, stats
 

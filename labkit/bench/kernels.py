@@ -15,8 +15,8 @@ batch sizes and context lengths and reports, per shape:
   ``scaled_dot_product_attention`` (exactly ``paged_decode_attention_ref``).
 
 On a CPU there is nothing to time for Triton (its interpreter is a debugging tool, not a
-kernel): the CPU decode kernel (``paged_decode_attention_cpu``, Numba, reading the paged
-cache in place: the engine's decode on a CPU) and the torch reference run on a few small
+kernel): the CPU decode kernel (``paged_decode_attention_cpu``: C++ where it could be built,
+else Numba, reading the paged cache in place: the engine's decode on a CPU) and the torch reference run on a few small
 shapes instead. ``--ref-cpu`` times both at the CPU engine's own shape (SmolLM2-135M: fp32,
 9 query / 3 KV heads, head_dim 64, block size 16; batch 64 at context 512 unless told
 otherwise) and multiplies by the model's 30 layers.
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                     row.update(split_ms=ms, split_gbps=moved / ms / 1e6, split_of_copy=moved / ms / 1e6 / ceiling,
                                auto="split" if choose_partition_size(batch, num_kv_heads, context,
                                                                      multiprocessor_count(device), tile) else "triton")
-                if use_cpu_kernel and dtype == torch.float32:  # other dtypes fall back to the reference
+                if use_cpu_kernel and dtype in (torch.float32, torch.bfloat16):  # fp16 falls back to the reference
                     ms = time_ms(lambda: paged_decode_attention_cpu(*inputs), device, args.warmup, args.repeats)
                     row.update(cpu_ms=ms, cpu_gbps=moved / ms / 1e6, cpu_of_copy=moved / ms / 1e6 / ceiling)
                 if not args.no_baseline or not use_triton:
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                      f" {row['split_ms']:>10.3f} {row['split_gbps']:>8.1f} {row['split_of_copy']:>7.0%} {row['auto']:>6}")
         if use_cpu_kernel:
             line += (f" {row['cpu_ms']:>10.3f} {row['cpu_gbps']:>8.1f} {row['cpu_of_copy']:>7.0%}" if "cpu_ms" in row
-                     else f" {'(fp32)':>10} {'':>8} {'':>7}")
+                     else f" {'(fp32/bf16)':>10} {'':>8} {'':>7}")
         if row.get("torch_ms") is not None:
             line += f" {row['torch_ms']:>10.3f} {row['torch_gbps']:>8.1f}"
             if use_triton:

@@ -12,7 +12,8 @@ ratio between engines, all from the same run.
     python -m labkit.bench serve --engines labkit,vllm --dtype bfloat16 --vllm-python .venv-vllm/bin/python
     python -m labkit.bench serve --engines labkit,hf-static --contend
 
-Engines: ``labkit``; ``hf-static`` (transformers ``generate`` on left-padded batches,
+Engines: ``labkit``; ``labkit-numba`` (labkit with its C++ CPU kernels off,
+``LABKIT_CPU_EXTENSION=0``: the Numba decode loop, unfused element-wise ops); ``hf-static`` (transformers ``generate`` on left-padded batches,
 ``--hf-batch-size``, default 16); ``hf-cb`` (transformers' own continuous batching,
 ``generate_batch``, when this transformers has it); ``vllm`` (its CPU build lives in its own
 venv, ``make vllm-venv``, whose ``.venv-vllm`` is found; elsewhere pass its interpreter with
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-ENGINES = ("labkit", "hf-static", "hf-cb", "vllm")
+ENGINES = ("labkit", "labkit-numba", "hf-static", "hf-cb", "vllm")
 DTYPES = ("float32", "bfloat16")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 BUNDLED_DEFAULT = "smollm2-64req"          # made for SmolLM2-135M-Instruct: its references are its tokens
@@ -165,6 +166,14 @@ def prepare_labkit(w: dict, args) -> Prepared:
                     after=lambda: f"preemptions {llm.stats()['num_preemptions']}")
 
 
+def prepare_labkit_numba(w: dict, args) -> Prepared:
+    """labkit with its C++ CPU kernels switched off (``LABKIT_CPU_EXTENSION=0``, in this child
+    process only): the Numba decode loop and the unfused torch element-wise ops. Beside
+    ``labkit`` in one run, it measures what the C++ kernels bring."""
+    os.environ["LABKIT_CPU_EXTENSION"] = "0"
+    return prepare_labkit(w, args)
+
+
 def _hf_model(args):
     import torch
     from labkit.model import load_model
@@ -266,7 +275,7 @@ def prepare_vllm(w: dict, args) -> Prepared:
                     close=llm.llm_engine.engine_core.shutdown)
 
 
-PREPARERS = {"labkit": prepare_labkit, "hf-static": prepare_hf_static, "hf-cb": prepare_hf_cb, "vllm": prepare_vllm}
+PREPARERS = {"labkit": prepare_labkit, "labkit-numba": prepare_labkit_numba, "hf-static": prepare_hf_static, "hf-cb": prepare_hf_cb, "vllm": prepare_vllm}
 
 
 @contextlib.contextmanager
@@ -393,10 +402,11 @@ def interpreters(args, engines: list[str]) -> dict[str, str]:
             raise ValueError(f"the interpreter for {engine}, {path!r}, is not an executable file"
                              + (" (make vllm-venv builds .venv-vllm/bin/python)" if engine == "vllm" else ""))
     if "vllm" in engines and "vllm" not in chosen and importlib.util.find_spec("vllm") is None:
-        for venv in (Path.cwd(), Path(__file__).resolve().parents[2]):     # where make vllm-venv puts it
-            if (venv / VLLM_VENV_PYTHON).is_file():
-                chosen["vllm"] = str(venv / VLLM_VENV_PYTHON)
-                return chosen
+        from ..vllm_port import find_venv_python        # where make vllm-venv puts it
+        venv = find_venv_python(VLLM_VENV_PYTHON)
+        if venv is not None:
+            chosen["vllm"] = venv
+            return chosen
         raise ValueError("engine vllm: vllm is not importable here and no --vllm-python was given. Its CPU "
                          "build lives in its own venv: make vllm-venv, then add --vllm-python "
                          ".venv-vllm/bin/python (docs/benchmarks.md)")
@@ -429,6 +439,20 @@ def child_command(engine: str, python: str | None, args, workload: str, out: str
     if python is None:
         return [sys.executable, "-m", "labkit.bench", "serve", *rest]
     return [python, "-c", _CHILD_BOOT, str(Path(__file__).resolve()), *rest]
+
+
+def child_env(engine: str) -> dict[str, str]:
+    """The environment of ``engine``'s process. The peers run with their own OpenMP settings,
+    as their users run them: the ``GOMP_SPINCOUNT`` that ``import labkit`` set in this process
+    (labkit/openmp.py) is not passed on to them, and Transformers' children, which import
+    labkit (this file) before torch, are told not to set it again."""
+    from labkit import openmp
+    env = dict(os.environ)
+    if not engine.startswith("labkit"):
+        if openmp.set_by_labkit is not None and env.get("GOMP_SPINCOUNT") == openmp.set_by_labkit:
+            del env["GOMP_SPINCOUNT"]
+        env["LABKIT_GOMP_SPINCOUNT"] = "default"
+    return env
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -501,15 +525,15 @@ def format_report(report: dict) -> str:
     lines = [f"workload {wl['source']}: {wl['requests']} requests, {wl['prompt_tokens']} prompt + "
              f"{wl['output_tokens']} output tokens; {report['dtype']}; {m['cpus']} CPUs ({m['cpu']}), "
              f"load average before {m['load_average_before']}", ""]
-    head = f"{'engine':<10} {'version':<16} {'wall s':>8} {'out tok/s':>10} {'equal':>7} {'RSS MiB':>8}"
+    head = f"{'engine':<12} {'version':<16} {'wall s':>8} {'out tok/s':>10} {'equal':>7} {'RSS MiB':>8}"
     lines.append(head + (f" {'contended tok/s':>16} {'x quiet':>8}" if contend else ""))
     for name, r in report["engines"].items():
         if "wall_s" not in r:
-            lines.append(f"{name:<10} skipped: {r.get('skipped', '?')}")
+            lines.append(f"{name:<12} skipped: {r.get('skipped', '?')}")
             continue
         equal = f"{r['requests_matching_reference']}/{wl['requests']}" if "requests_matching_reference" in r else "-"
         rss = max(r.get("peak_rss_mib", 0), r.get("peak_rss_children_mib", 0), r.get("rss_tree_mib") or 0)
-        line = (f"{name:<10} {str(r.get('version', '?'))[:16]:<16} {r['wall_s']:>8.1f} {r['output_tok_per_s']:>10.1f} "
+        line = (f"{name:<12} {str(r.get('version', '?'))[:16]:<16} {r['wall_s']:>8.1f} {r['output_tok_per_s']:>10.1f} "
                 f"{equal:>7} {rss:>8.0f}")
         if "contended_output_tok_per_s" in r:
             line += f" {r['contended_output_tok_per_s']:>16.1f} {r['contended_over_quiet']:>8.2f}"
@@ -528,7 +552,7 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_child(cmd: list[str], capture: bool, cwd: str | None) -> tuple[int, str]:
+def run_child(cmd: list[str], capture: bool, cwd: str | None, env: dict | None = None) -> tuple[int, str]:
     """Run one engine's process in a process group of its own and take the whole group down
     when it ends, however this one ends (Ctrl-C, SIGTERM, an exception): vLLM's engine and
     worker processes, ~6 GB, must never outlive the benchmark. Returns (exit status, what it
@@ -538,7 +562,8 @@ def run_child(cmd: list[str], capture: bool, cwd: str | None) -> tuple[int, str]
     # for it instead of ending it.
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log if capture else sys.stderr,
-                                stderr=subprocess.STDOUT if capture else None, cwd=cwd, start_new_session=True)
+                                stderr=subprocess.STDOUT if capture else None, cwd=cwd, env=env,
+                                start_new_session=True)
         try:
             proc.wait()
         finally:
@@ -600,7 +625,8 @@ def compare(args) -> int:
             cmd = child_command(engine, pythons.get(engine), args, os.path.abspath(workload), out)
             print(f"[bench serve] running {engine}{' with ' + pythons[engine] if engine in pythons else ''} ...",
                   file=sys.stderr)
-            returncode, printed = run_child(cmd, capture=args.json, cwd=tmp if engine in pythons else None)
+            returncode, printed = run_child(cmd, capture=args.json, cwd=tmp if engine in pythons else None,
+                                            env=child_env(engine))
             if returncode != 0 or not os.path.exists(out):
                 results[engine] = {"skipped": f"process exited with {returncode} {printed[-500:]}".strip()}
                 continue

@@ -27,6 +27,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -55,6 +56,13 @@ class _TimedOps:
 
     def prefill(self, *a):
         return self._timed(self.ops.prefill, *a)
+
+    @property
+    def fused(self):
+        """The CPU backend's fused ops, if any; its rotary + cache write counts as attention
+        (it is the cache write), the norm and SwiGLU ops do not."""
+        f = getattr(self.ops, "fused", None)
+        return None if f is None else replace(f, rope_and_cache=lambda *a: self._timed(f.rope_and_cache, *a))
 
 
 def bench_chunks(runner: ModelRunner, batch: int = 64, context: int = 400, prefill: int = 512,
@@ -116,6 +124,7 @@ def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefi
 _MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm",
                "mkldnn::_linear_pointwise", "mkl::_mkl_linear"}
 _ATTENTION = "labkit::attention"
+_FUSED = "labkit::fused"  # the CPU backend's fused rotary + cache write, add + RMSNorm, SiLU * up
 
 
 class _ProfiledOps:
@@ -136,6 +145,22 @@ class _ProfiledOps:
 
     def prefill(self, *a):
         return self._labelled(self.ops.prefill, *a)
+
+    @property
+    def fused(self):
+        """The CPU backend's fused element-wise ops (C++, invisible to the profiler on their
+        own), each labelled: they count as element-wise."""
+        f = getattr(self.ops, "fused", None)
+        if f is None:
+            return None
+
+        def labelled(fn):
+            def call(*a):
+                with torch.profiler.record_function(_FUSED):
+                    return fn(*a)
+            return call
+        return replace(f, rope_and_cache=labelled(f.rope_and_cache), add_rms_norm=labelled(f.add_rms_norm),
+                       silu_and_mul=labelled(f.silu_and_mul))
 
 
 def machine_peaks(dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> dict:

@@ -240,11 +240,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache, ops) -> torch.Tensor:
         n, H, KV, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(n, H + 2 * KV, d)
-        qk = apply_rope(qkv[:, : H + KV], cos, sin)  # rotate q and k heads together
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
-
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)  # write before reading
+        fused = getattr(ops, "fused", None)
+        if fused is not None:  # the CPU backend: rotation and the cache write in one pass (C++)
+            q = fused.rope_and_cache(self.qkv_proj(x), cos, sin, k_cache, v_cache, meta.slot_mapping, H)
+        else:
+            qkv = self.qkv_proj(x).view(n, H + 2 * KV, d)
+            qk = apply_rope(qkv[:, : H + KV], cos, sin)  # rotate q and k heads together
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
+            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)  # write before reading
 
         p = meta.num_prefill_tokens
         if p == n:  # prefill chunks only
@@ -270,8 +273,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(gate_up_weight, gate_up_bias)  # gate and up stacked: [2 * inter, hidden]
         self.down_proj = Linear(down_weight, down_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, fused=None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if fused is not None:  # the CPU backend: silu(gate) * up in one pass (C++)
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -283,13 +289,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, residual, cos, sin, meta, k_cache, v_cache, ops):
         """Returns (output, residual); the residual stream is updated in place."""
-        if residual is None:
-            residual = h
-        else:
-            residual.add_(h)
-        h = self.attn(self.input_norm(residual), cos, sin, meta, k_cache, v_cache, ops)
-        residual.add_(h)
-        return self.mlp(self.post_attn_norm(residual)), residual
+        fused = getattr(ops, "fused", None)
+        if residual is None:  # the first layer: the embeddings start the residual stream
+            residual, h = h, None
+        h = self.attn(add_and_norm(self.input_norm, residual, h, fused), cos, sin, meta, k_cache, v_cache, ops)
+        return self.mlp(add_and_norm(self.post_attn_norm, residual, h, fused), fused), residual
+
+
+def add_and_norm(norm: RMSNorm, residual: torch.Tensor, delta: torch.Tensor | None, fused) -> torch.Tensor:
+    """``residual += delta`` (in place; skipped when delta is None), then ``norm(residual)``:
+    one pass over memory with the CPU backend's fused op (C++), two torch ops otherwise."""
+    if fused is not None:
+        return fused.add_rms_norm(residual, delta, norm.weight, norm.eps)
+    if delta is not None:
+        residual.add_(delta)
+    return norm(residual)
 
 
 class LlamaModel(nn.Module):
@@ -352,7 +366,9 @@ class LlamaModel(nn.Module):
                 kv_cache: KVCache, ops, logits_indices: torch.Tensor) -> torch.Tensor:
         """``input_ids``/``positions``: ``[num_tokens]``. Returns logits ``[len(logits_indices), vocab]``."""
         h = F.embedding(input_ids, self.embed_weight)
-        cos, sin = self.rotary.tables(positions, h.dtype)
+        # the fused rotation (CPU backend) computes in fp32 from fp32 tables, [tokens, d / 2]
+        fused = getattr(ops, "fused", None) is not None
+        cos, sin = self.rotary.tables(positions, torch.float32 if fused else h.dtype)
         residual = None
         with meta.checked(kv_cache):  # once here, not in each layer's kernels
             for layer, k_cache, v_cache in zip(self.layers, kv_cache.k_caches, kv_cache.v_caches):

@@ -19,6 +19,7 @@ is the definition the vectorized code is tested against.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -213,6 +214,8 @@ class ModelRunner:
 
         self.ops, self.attention_backend_reason = _resolve_backend(attention_backend, self.device)
         self.attention_backend = getattr(self.ops, "name", type(self.ops).__name__)
+        if getattr(self.ops, "fused", None) is not None and dtype not in (torch.float32, torch.bfloat16):
+            self.ops = dataclasses.replace(self.ops, fused=None)  # the fused C++ ops take fp32 and bf16 only
         # The CPU backend is the fast path: its matmuls use oneDNN's packed weights too. The
         # "torch" backend keeps the plain ones, the reference chapters 5 and 6 read.
         self.packed_linears = self.attention_backend == "cpu" and can_pack_linears(self.device, dtype)

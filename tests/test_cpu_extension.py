@@ -1,0 +1,346 @@
+"""labkit's C++ CPU kernels (kernels/csrc, built by kernels/cpu_extension.py) against the
+readable references they replace: decode attention, the fused rotary + cache write,
+add + RMSNorm and SiLU * up. Skipped, with the reason, where they cannot be built."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.kernels import cpu_extension
+from labkit.kernels.paged_decode_attention import decode_attention_torch
+from labkit.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
+from labkit.kernels.reshape_and_cache import reshape_and_cache_ref
+from labkit.model.llama import RMSNorm, apply_rope
+
+EXT = cpu_extension.load()
+needs_ext = pytest.mark.skipif(EXT is None, reason=cpu_extension.status()[1])
+
+
+def _paged(num_seqs, lens, block_size, kv_heads, head_dim, heads, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    per_seq = int((lens.max() + block_size - 1) // block_size)
+    num_blocks = num_seqs * per_seq + 3
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: num_seqs * per_seq].view(num_seqs, per_seq).int()
+    q = torch.randn(num_seqs, heads, head_dim, generator=g)
+    return q, k, v, tables, lens
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [
+    (64, 9, 3),    # SmolLM2: the compiled group-of-3 loop
+    (64, 8, 8),    # multi-head attention: group 1
+    (64, 4, 2),    # group 2
+    (128, 32, 8),  # Llama-3-8B's shape: group 4
+    (128, 16, 2),  # group 8
+    (128, 32, 32), # 32 KV heads: two passes over each block
+    (64, 10, 2),   # group 5: the run-time-group loop
+    (16, 4, 2),    # tiny-llama
+    (32, 6, 1),
+])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_cpp_decode_matches_the_reference(dtype, head_dim, heads, kv_heads, block_size):
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 97]
+    q, k, v, tables, lens = _paged(len(lens), lens, block_size, kv_heads, head_dim, heads, dtype)
+    out = paged_decode_attention_cpu(q, k, v, tables, lens, 0.3, impl="cpp")
+    ref = decode_attention_torch(q, k, v, tables, lens, 0.3)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 32, 8), (64, 10, 2)])
+def test_prefill_rows_kernel_is_causal_attention_over_each_rows_prefix(dtype, head_dim, heads, kv_heads):
+    """paged_prefill_attention_rows: row r is a decode query over the first row_lens[r]
+    tokens of sequence row_seq[r]. Three chunks: a fresh prompt, a chunk after a 23-token
+    prefix, a one-token chunk after 40 tokens; each row against the reference decode of
+    that row alone."""
+    q, k, v, tables, lens = _paged(3, [37, 23 + 14, 41], 16, kv_heads, head_dim, heads, dtype, seed=5)
+    chunks = [(0, 37), (23, 14), (40, 1)]          # (tokens before the chunk, chunk length)
+    row_seq = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, (_, n) in enumerate(chunks)])
+    row_lens = torch.cat([torch.arange(p + 1, p + n + 1, dtype=torch.int32) for p, n in chunks])
+    qr = torch.randn(len(row_seq), heads, head_dim, generator=torch.Generator().manual_seed(6))
+    out = EXT.paged_prefill_attention_rows(qr, k, v, tables, row_lens, row_seq, 0.2)
+    expect = decode_attention_torch(qr, k, v, tables[row_seq.long()], row_lens, 0.2)
+    torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
+    with pytest.raises(RuntimeError, match="one per query row"):
+        EXT.paged_prefill_attention_rows(qr, k, v, tables, row_lens[:-1], row_seq, 0.2)
+
+
+@needs_ext
+def test_the_vectorized_kernel_is_reported_for_the_shapes_it_covers():
+    """AVX-512 builds run SmolLM2's and Llama's shapes vectorized (the prefill wrapper takes
+    the row kernel only then); other groups and small heads take the portable loop."""
+    avx512 = "avx512f" in cpu_extension._cpu_flags().split()
+    assert EXT.vectorized(64, 3) == avx512 and EXT.vectorized(128, 4) == avx512
+    assert not EXT.vectorized(64, 5) and not EXT.vectorized(16, 2)
+
+
+@needs_ext
+def test_cpp_decode_balances_long_and_short_sequences():
+    """Sequences of very different lengths in one batch (the work is handed out longest first)."""
+    lens = [2000, 1, 17, 1500, 3, 900, 64, 2, 1200, 5]
+    q, k, v, tables, lens = _paged(len(lens), lens, 16, 3, 64, 9, torch.float32, seed=3)
+    torch.testing.assert_close(paged_decode_attention_cpu(q, k, v, tables, lens, 0.125, impl="cpp"),
+                               decode_attention_torch(q, k, v, tables, lens, 0.125), atol=2e-5, rtol=2e-5)
+
+
+@needs_ext
+def test_shapes_without_a_cpp_kernel_fall_back_or_say_why():
+    q, k, v, tables, lens = _paged(3, [5, 40, 130], 128, 2, 48, 4, torch.float32)  # head_dim 48, block 128
+    assert not EXT.supports(48, 2, 128)
+    with pytest.raises(RuntimeError, match="C\\+\\+ decode kernel cannot run"):
+        paged_decode_attention_cpu(q, k, v, tables, lens, 0.2, impl="cpp")
+    torch.testing.assert_close(paged_decode_attention_cpu(q, k, v, tables, lens, 0.2),  # auto: Numba
+                               decode_attention_torch(q, k, v, tables, lens, 0.2), atol=2e-5, rtol=2e-5)
+
+
+@needs_ext
+def test_cpp_decode_refuses_a_block_id_outside_the_cache():
+    q, k, v, tables, lens = _paged(2, [20, 20], 16, 3, 64, 9, torch.float32)
+    bad = tables.clone()
+    bad[1, 1] = k.shape[0] + 5
+    with pytest.raises(ValueError, match=str(k.shape[0] + 5)):
+        paged_decode_attention_cpu(q, k, v, bad, lens, 0.1, impl="cpp")
+
+
+def test_an_unknown_impl_is_named():
+    q, k, v, tables, lens = _paged(1, [3], 16, 1, 16, 2, torch.float32)
+    with pytest.raises(ValueError, match="unknown impl 'fast'"):
+        paged_decode_attention_cpu(q, k, v, tables, lens, 0.1, impl="fast")
+
+
+# --- fused element-wise ops against the model's readable versions ---------------------------
+
+def _tol(dtype):
+    return dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_equals_apply_rope_then_reshape_and_cache(dtype):
+    heads, kv_heads, d, block_size, num_blocks, n = 9, 3, 64, 16, 12, 21
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    angles = torch.rand(n, d // 2, generator=g) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    k_ref = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    v_ref = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    k_out, v_out = k_ref.clone(), v_ref.clone()
+
+    x = qkv.view(n, heads + 2 * kv_heads, d)
+    qk = apply_rope(x[:, : heads + kv_heads].float(), cos[:, None], sin[:, None]).to(dtype)
+    reshape_and_cache_ref(qk[:, heads:], x[:, heads + kv_heads:], k_ref, v_ref, slots)
+
+    q = EXT.rope_and_cache(qkv, cos, sin, k_out, v_out, slots, heads)
+    torch.testing.assert_close(q, qk[:, :heads], **_tol(dtype))
+    torch.testing.assert_close(k_out, k_ref, **_tol(dtype))   # written slots equal, the others untouched
+    assert torch.equal(v_out, v_ref)
+
+
+@needs_ext
+def test_rope_and_cache_refuses_a_slot_outside_the_cache():
+    cache = torch.zeros(2, 4, 1, 8)
+    qkv, cs = torch.randn(2, 3 * 8), torch.ones(2, 4)
+    with pytest.raises(RuntimeError, match="slot 8 of token 1 is outside the cache"):
+        EXT.rope_and_cache(qkv, cs, cs, cache, cache.clone(), torch.tensor([0, 8]), 1)
+    assert not cache.any()
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_equals_add_then_rmsnorm(dtype, with_delta):
+    g = torch.Generator().manual_seed(2)
+    stream = torch.randn(7, 576, generator=g).to(dtype)
+    delta = torch.randn(7, 576, generator=g).to(dtype) if with_delta else None
+    norm = RMSNorm(torch.rand(576, generator=g).to(dtype) + 0.5, 1e-5)
+    expected_stream = stream + delta if with_delta else stream.clone()
+    expected = norm(expected_stream)
+    out = EXT.add_rms_norm(stream, delta, norm.weight.data, norm.eps)
+    torch.testing.assert_close(stream, expected_stream, **_tol(dtype))   # updated in place
+    torch.testing.assert_close(out, expected, **_tol(dtype))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_equals_silu_times_up(dtype):
+    x = torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(4)).to(dtype) * 4
+    gate, up = x.float().chunk(2, dim=-1)
+    torch.testing.assert_close(EXT.silu_and_mul(x), (F.silu(gate) * up).to(dtype), **_tol(dtype))
+
+
+@needs_ext
+def test_fused_ops_refuse_bad_inputs_with_their_reason():
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        EXT.silu_and_mul(torch.ones(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="delta must match x"):
+        EXT.add_rms_norm(torch.ones(2, 4), torch.ones(3, 4), torch.ones(4), 1e-5)
+
+
+# --- the engine on the C++ path, and the one thread pool -------------------------------------
+
+@needs_ext
+def test_cpu_backend_uses_the_fused_ops_and_equals_the_torch_backend():
+    from labkit import LLM, SamplingParams
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [(9 * i) % 250 for i in range(70)]]
+    fast = LLM("tiny-llama", attention_backend="cpu", num_blocks=64, block_size=8)
+    assert fast.runner.ops.fused is not None
+    ref = LLM("tiny-llama", attention_backend="torch", num_blocks=64, block_size=8)
+    assert ref.runner.ops.fused is None
+    assert ([o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)])
+
+
+@needs_ext
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_smollm2_row_prefill_under_pressure_equals_the_torch_backend_and_frees_every_block(mode):
+    """SmolLM2's shapes take the vectorized decode and the row-kernel prefill (where AVX-512
+    is compiled). Five prompts sharing a system prompt (prefix-cache hits), a pool of 18
+    blocks and 64-token chunks (chunked prefill, a preemption): greedy tokens equal the torch
+    backend's; then n=3 with a stop string, and an abort mid-request; every block ends free."""
+    from labkit import LLM, SamplingParams
+    system = "You are a careful assistant who answers in one short paragraph. " * 6
+    prompts = [system + q for q in ("What is paging?", "Explain a block table.", "Why copy on write?",
+                                    "What is preemption?", "Define prefill.")]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    ref = LLM(num_blocks=400, attention_backend="torch", enable_prefix_caching=False)
+    expect = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(num_blocks=18, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="cpu",
+              preemption_mode=mode)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expect
+    assert llm.stats()["num_preemptions"] >= 1
+    outs = llm.generate(prompts[:2], SamplingParams(n=3, max_tokens=30, temperature=0.8, seed=1, stop=["."]),
+                        use_tqdm=False)
+    assert all(len(o.outputs) == 3 for o in outs)
+    request = llm.engine.add_request(ref.runner.tokenizer.encode(prompts[0]), SamplingParams(max_tokens=50))
+    for _ in range(3):
+        llm.engine.step()
+    llm.engine.abort(request.request_id)
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+    llm.allocator.check_invariants()
+    llm.reset_prefix_cache()
+    assert llm.stats()["num_free_blocks"] == 18
+
+
+_POOL_PROBE = """
+import os, sys
+from labkit import LLM, SamplingParams
+llm = LLM("tiny-llama", attention_backend="cpu", num_blocks=64, block_size=8)
+llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+maps = open(f"/proc/{os.getpid()}/maps").read().splitlines()
+omp = sorted({line.split()[-1] for line in maps if "gomp" in line or "libomp" in line or "libiomp" in line})
+print(repr((omp, "numba.np.ufunc.omppool" in sys.modules, llm.runner.attention_backend_reason)))
+"""
+
+
+@needs_ext
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
+def test_one_openmp_runtime_serves_matmuls_and_attention():
+    """Issue 14: one thread pool. With the C++ kernels a generation loads one OpenMP
+    runtime (torch's), and Numba's OpenMP layer is never started."""
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", _POOL_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    runtimes, numba_pool, reason = eval(out.stdout.strip().splitlines()[-1])
+    assert len(runtimes) == 1, runtimes
+    assert not numba_pool
+    assert "C++ decode attention" in reason
+
+
+def test_disabling_the_extension_falls_back_to_numba_and_says_so():
+    code = ("from labkit.kernels import cpu_extension, select_attention_backend\n"
+            "print(cpu_extension.status()); print(select_attention_backend('auto', 'cpu'))")
+    env = dict(os.environ, LABKIT_CPU_EXTENSION="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "disabled by LABKIT_CPU_EXTENSION=0" in out.stdout
+    assert "Numba decode attention" in out.stdout
+
+
+def test_the_extension_builds_wherever_a_compiler_and_ninja_exist():
+    """A broken C++ source must fail CI, not quietly skip every test above and fall back."""
+    why_not = cpu_extension._why_not()
+    if why_not is not None:
+        pytest.skip(f"not built here: {why_not}")
+    assert EXT is not None, cpu_extension.status()[1]
+
+
+@needs_ext
+def test_fp16_on_the_cpu_backend_keeps_the_torch_element_wise_ops():
+    """The fused C++ ops take fp32 and bf16: an fp16 model runs the readable versions."""
+    from labkit import LLM, SamplingParams
+    llm = LLM("tiny-llama", attention_backend="cpu", dtype="float16", num_blocks=32, block_size=8)
+    assert llm.runner.ops.fused is None
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_clear_stale_lock_removes_only_torchs_lock_file(tmp_path, capsys):
+    (tmp_path / "keep.so").write_text("")
+    assert cpu_extension.clear_stale_lock(tmp_path) is False
+    (tmp_path / "lock").write_text("")
+    assert cpu_extension.clear_stale_lock(tmp_path) is True
+    assert not (tmp_path / "lock").exists() and (tmp_path / "keep.so").exists()
+    assert "interrupted" in capsys.readouterr().err
+
+
+_LOAD_PROBE = """
+from labkit.kernels import cpu_extension
+print(cpu_extension.load() is not None)
+"""
+
+
+@needs_ext
+def test_a_build_killed_mid_compile_does_not_block_the_next_load():
+    """A build interrupted mid-compile leaves torch's ``lock`` file in the build directory,
+    and torch waits on it forever. labkit's own lock (freed by the OS when its holder dies)
+    tells that file is stale: the next process removes it and loads instead of hanging."""
+    from torch.utils.cpp_extension import _get_build_directory
+    from pathlib import Path
+    build_dir = Path(_get_build_directory(cpu_extension.build_name(), verbose=False))
+    with cpu_extension._build_lock(build_dir):  # no labkit build runs now: the lock is a dead one's
+        (build_dir / "lock").write_text("")
+    try:
+        out = subprocess.run([sys.executable, "-c", _LOAD_PROBE], capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        (build_dir / "lock").unlink(missing_ok=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+    assert "left by a build that was interrupted" in out.stderr
+
+
+def test_builds_wait_for_each_other_and_a_dead_builder_frees_the_lock(tmp_path):
+    """The lock is an flock: a second holder waits while the first lives, and gets it as soon
+    as the first process dies without releasing anything."""
+    fcntl = pytest.importorskip("fcntl", reason="flock is POSIX; no build runs elsewhere")
+    build_dir = tmp_path / "labkit_cpu_x"
+    hold = ("import sys, time; sys.path[:0] = {path!r}\n"
+            "from pathlib import Path\n"
+            "from labkit.kernels import cpu_extension\n"
+            "with cpu_extension._build_lock(Path({d!r})):\n"
+            "    print('held', flush=True); time.sleep(600)\n").format(path=sys.path, d=str(build_dir))
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(build_dir.with_name(build_dir.name + ".labkit-lock"), "a+") as f:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder.kill()
+            holder.wait(timeout=30)
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once: the OS dropped it
+    finally:
+        holder.kill()

@@ -371,3 +371,18 @@ def test_gpu_check_equality_step_runs_end_to_end_on_a_cpu(tmp_path):
     assert figures["requests"] == 2 and figures["labkit_equal_hf"] == 2
     assert figures["labkit_equal_reference"] == 1 and figures["all_equal_reference"] == 1
     assert figures["output_tok_per_s"] > 0 and figures["backend"] == "torch"
+
+
+def test_vllms_process_gets_every_core_and_the_kv_space_asked_for_unless_the_user_set_them(monkeypatch):
+    from labkit.bench.serve import child_env
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = child_env("vllm", kv_gib=2.5)
+    cpus = sorted(os.sched_getaffinity(0))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cpus))
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"                  # whole GiB, rounded up
+    assert "VLLM_CPU_KVCACHE_SPACE" not in child_env("labkit", kv_gib=2.5)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    env = child_env("vllm", kv_gib=2.5)
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("0", "7")

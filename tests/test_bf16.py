@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from labkit import LLM, SamplingParams
-from labkit.model import ModelRunner, SeqChunk, load_model
+from labkit.model import ModelRunner, SeqChunk, llama, load_model
 
 # max |bf16 logit - fp32 logit| <= REL_MAX * max |fp32 logit|; mean |diff| <= REL_MEAN * that
 REL_MAX, REL_MEAN = 0.06, 0.025
@@ -89,6 +89,33 @@ def test_bf16_fast_path_agrees_with_the_bf16_reference():
     ref = ModelRunner(m16, block_size=4, num_blocks=64, attention_backend="torch", dtype=torch.bfloat16)
     prompt, follow = [(5 * i + 3) % 250 for i in range(30)], [1, 2, 3, 4]
     _assert_close_to_fp32(_logits_along(fast, prompt, follow), _logits_along(ref, prompt, follow))
+
+
+def test_bf16_packs_its_weights_where_onednn_has_bf16_kernels():
+    _needs_numba()
+    if not llama._onednn_runs_bf16():
+        pytest.skip("this CPU has no oneDNN bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): bf16 weights stay plain")
+    fast = ModelRunner(load_model("tiny-llama", dtype=torch.bfloat16), block_size=4, num_blocks=64,
+                       attention_backend="cpu", dtype=torch.bfloat16)
+    assert fast.packed_linears
+    assert all(m.packed is not None for m in fast.model.modules() if isinstance(m, llama.Linear))
+
+
+def test_bf16_on_a_cpu_without_onednn_bf16_keeps_plain_weights_and_agrees(monkeypatch):
+    """An AVX2-only CPU (AMD Zen 3, older Intel): oneDNN refuses to pack a bf16 weight there,
+    so the CPU backend keeps the plain one and still serves, close to the reference."""
+    _needs_numba()
+    monkeypatch.setattr(llama, "_onednn_runs_bf16", lambda: False)
+    m16 = load_model("tiny-llama", dtype=torch.bfloat16)
+    fast = ModelRunner(m16, block_size=4, num_blocks=64, attention_backend="cpu", dtype=torch.bfloat16)
+    assert not fast.packed_linears and "widened to fp32" in fast.attention_backend_reason
+    assert all(m.packed is None for m in fast.model.modules() if isinstance(m, llama.Linear))
+    ref = ModelRunner(m16, block_size=4, num_blocks=64, attention_backend="torch", dtype=torch.bfloat16)
+    prompt, follow = [(7 * i + 1) % 250 for i in range(30)], [4, 3, 2, 1]
+    _assert_close_to_fp32(_logits_along(fast, prompt, follow), _logits_along(ref, prompt, follow))
+    llm = LLM("tiny-llama", dtype="bfloat16", num_blocks=64, block_size=8)
+    outs = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(outs[0].outputs[0].token_ids) == 8 and not llm.runner.packed_linears
 
 
 @pytest.mark.slow

@@ -39,7 +39,6 @@ import contextlib
 import copy
 import importlib.util
 import json
-import math
 import os
 import random
 import resource
@@ -245,10 +244,8 @@ def prepare_hf_cb(w: dict, args) -> Prepared:
 def prepare_vllm(w: dict, args) -> Prepared:
     """vLLM's offline ``LLM`` with its CPU defaults, except prefix caching (off, as labkit's
     here: a timed run repeated under contention must not hit the first run's cache)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    # Its default binds one thread fewer than the cores; bind them all. KV space in GiB.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(args.kv_gib))))
+    # Its CPU settings (every core bound, KV space in GiB) come in this process's environment:
+    # child_env("vllm") sets them, with labkit/vllm_port.py's rule.
     try:
         import vllm
     except ImportError as e:
@@ -270,8 +267,8 @@ def prepare_vllm(w: dict, args) -> Prepared:
     # Without an explicit shutdown its ~6 GB of worker processes outlive this one.
     return Prepared(serve, vllm.__version__,
                     f"{_dtype(args)}, V1 engine defaults, prefix caching off, "
-                    f"VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}, "
-                    f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']}",
+                    f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '(vLLM default)')}, "
+                    f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '(vLLM default)')}",
                     close=llm.llm_engine.engine_core.shutdown)
 
 
@@ -441,13 +438,19 @@ def child_command(engine: str, python: str | None, args, workload: str, out: str
     return [python, "-c", _CHILD_BOOT, str(Path(__file__).resolve()), *rest]
 
 
-def child_env(engine: str) -> dict[str, str]:
+def child_env(engine: str, kv_gib: float = 2.0) -> dict[str, str]:
     """The environment of ``engine``'s process. The peers run with their own OpenMP settings,
     as their users run them: the ``GOMP_SPINCOUNT`` that ``import labkit`` set in this process
     (labkit/openmp.py) is not passed on to them, and Transformers' children, which import
-    labkit (this file) before torch, are told not to set it again."""
+    labkit (this file) before torch, are told not to set it again. vLLM's also gets its CPU
+    settings, as chapter 6 runs it (``vllm_port.vllm_env``: every core bound, ``kv_gib`` of
+    KV cache), unless the caller set them."""
     from labkit import openmp
-    env = dict(os.environ)
+    if engine == "vllm":
+        from ..vllm_port import vllm_env
+        env = vllm_env(kv_gib)
+    else:
+        env = dict(os.environ)
     if not engine.startswith("labkit"):
         if openmp.set_by_labkit is not None and env.get("GOMP_SPINCOUNT") == openmp.set_by_labkit:
             del env["GOMP_SPINCOUNT"]
@@ -626,7 +629,7 @@ def compare(args) -> int:
             print(f"[bench serve] running {engine}{' with ' + pythons[engine] if engine in pythons else ''} ...",
                   file=sys.stderr)
             returncode, printed = run_child(cmd, capture=args.json, cwd=tmp if engine in pythons else None,
-                                            env=child_env(engine))
+                                            env=child_env(engine, args.kv_gib))
             if returncode != 0 or not os.path.exists(out):
                 results[engine] = {"skipped": f"process exited with {returncode} {printed[-500:]}".strip()}
                 continue

@@ -18,6 +18,7 @@ gate and up projections of the MLP.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -202,16 +203,43 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _onednn_runs_bf16():
+            # A CPU without bf16 matrix kernels (AVX2 only): torch's bf16 matmul falls back to a
+            # loop at ~1 GFLOP/s there (measured on Zen 3: 60x slower than fp32), so widen to
+            # fp32 for the multiply. The weights stay bf16 in memory; the maths is fp32's.
+            out = x.float() @ self.weight_t.float()
+            if self.bias is not None:
+                out += self.bias.float()
+            return out.to(torch.bfloat16)
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN's packed linear is there: a CPU build of torch with mkldnn, fp32 or bf16."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    """oneDNN's packed linear is there: a CPU build of torch with mkldnn, fp32 or bf16; for
+    bf16 also a CPU that oneDNN's bf16 kernels run on (AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
+    Without one (an AVX2-only CPU such as AMD Zen 3) bf16 weights stay plain and the
+    multiplies take torch's own bf16 path: correct, but slower than fp32 there."""
+    if not (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype == torch.float32 or _onednn_runs_bf16()
+
+
+@functools.cache
+def _onednn_runs_bf16() -> bool:
+    # torch's own answer, then a try of the very calls Linear makes: oneDNN refuses a bf16
+    # weight on a CPU it has no bf16 kernels for.
+    if hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 64)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), w, None, "none", [], "")
+        return True
+    except RuntimeError:
+        return False
 
 
 class RMSNorm(nn.Module):

@@ -55,8 +55,7 @@ def _cpu_reason(why: str) -> str:
               else f"Numba decode attention reading the paged cache in place ({what})")
     prefill = ("prefill chunks of short contexts through the same C++ loop, row by row, longer ones causal SDPA"
                if compiled else "causal SDPA for prefill chunks")
-    return (f"CPU kernels: {decode}, {prefill}, oneDNN-packed weights, torch "
-            f"references for the rest ({why})")
+    return f"CPU kernels: {decode}, {prefill}, torch references for the rest ({why})"
 
 
 _CPU_WHY = "no CUDA device; Triton runs compiled on CUDA GPUs of compute capability 8.0+"

@@ -219,8 +219,8 @@ class Linear(nn.Module):
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's packed linear is there: a CPU build of torch with mkldnn, fp32 or bf16; for
     bf16 also a CPU that oneDNN's bf16 kernels run on (AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
-    Without one (an AVX2-only CPU such as AMD Zen 3) bf16 weights stay plain and the
-    multiplies take torch's own bf16 path: correct, but slower than fp32 there."""
+    Without one (an AVX2-only CPU such as AMD Zen 3) bf16 weights stay plain and
+    ``Linear.forward`` widens each multiply to fp32."""
     if not (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):

@@ -221,11 +221,10 @@ class ModelRunner:
         self.packed_linears = self.attention_backend == "cpu" and can_pack_linears(self.device, dtype)
         if self.packed_linears:
             self.model.pack_linears()
-        elif self.attention_backend == "cpu":
-            plain = ("plain bf16 weights, widened to fp32 for each multiply (this CPU has no bf16 matrix "
-                     "kernels: bf16 saves memory here, not time)" if dtype == torch.bfloat16
-                     else "plain weights (this torch has no oneDNN packing)")
-            self.attention_backend_reason = self.attention_backend_reason.replace("oneDNN-packed weights", plain)
+            self.attention_backend_reason += "; matmuls on oneDNN-packed weights"
+        elif self.attention_backend == "cpu" and dtype == torch.bfloat16:
+            self.attention_backend_reason += ("; matmuls on plain bf16 weights, widened to fp32 (this CPU has "
+                                              "no bf16 matrix kernels: bf16 saves memory here, not time)")
         self.block_size = block_size
         self.kv_cache = KVCache.from_config(self.config, block_size, num_blocks, kv_budget_bytes, dtype, self.device)
         self.num_blocks = self.kv_cache.num_blocks

@@ -379,8 +379,18 @@ class CheckCellMatch:
 
 
 def _normalized(source: str) -> str:
-    """A cell's code up to trailing spaces and blank lines at either end (an editor adds those)."""
-    return "\n".join(line.rstrip() for line in source.strip("\n").splitlines()).strip()
+    """A cell's code without its comments and layout (blank lines, spaces between tokens):
+    what it does, not how it looks. A cell that is not Python (a typo, a magic) is compared
+    line by line, trailing spaces and blank lines aside."""
+    import io
+    import tokenize
+    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+              tokenize.ENDMARKER}
+    try:
+        tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+        return " ".join(t.string for t in tokens if t.type not in layout)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return "\n".join(line.rstrip() for line in source.splitlines() if line.strip())
 
 
 def match_check_cells(submitted, distributed) -> tuple[list[CheckCellMatch], list[int]]:
@@ -389,7 +399,9 @@ def match_check_cells(submitted, distributed) -> tuple[list[CheckCellMatch], lis
     A cell is found by its id (Jupyter keeps cell ids, so an edited check cell, even one
     whose ``# CHECK`` line was removed, is still recognised), else as the first unpaired
     check cell with the same first line. Returns the pairs, in the distributed order, and
-    the positions of the submitted check cells that stand for none (extra ones).
+    the positions of the submitted check cells that stand for none (extra ones). A copy of one
+    of the lab's check cells (same first line: a check duplicated to run it again) is neither
+    paired nor extra. ``edited`` ignores comments and layout.
     """
     wanted = [(i, c) for i, c in enumerate(distributed.cells) if is_check_cell(c)]
     checks = [i for i, c in enumerate(submitted.cells) if is_check_cell(c)]
@@ -414,7 +426,9 @@ def match_check_cells(submitted, distributed) -> tuple[list[CheckCellMatch], lis
         source = _source(cell)
         edited = i is not None and _normalized(_source(submitted.cells[i])) != _normalized(source)
         matches.append(CheckCellMatch(index, source.lstrip("\n").splitlines()[0].strip(), source, i, edited))
-    return matches, [i for i in checks if i not in used]
+    titles = {m.title for m in matches}
+    return matches, [i for i in checks if i not in used
+                     and _source(submitted.cells[i]).lstrip("\n").splitlines()[0].strip() not in titles]
 
 
 #: A submission may be named ``<student>__<notebook>.ipynb`` (see ``labkit.grade.collect``).

@@ -34,12 +34,19 @@ or ``Scheduler``, related to no class a test could import, and has no ``name``):
 one and one with only the flaw in question (built on labkit's allocator, so it looks like
 the correct one in every attribute) must make it fail with an ``AssertionError``; the
 correct one must make it pass, every time it is run (a timing test that fails at random
-on a correct manager is rejected).
+on a correct manager is rejected). The runs come in a shuffled order, so a "test" that
+counts its calls cannot know which implementation it is given.
+
+Each grader comes in two halves, so that ``labkit.grade`` can run the student's test where
+it lives (their kernel, in a sandbox) and judge it where their code cannot reach: ``probe``
+runs the test in the order of a ``plan`` and returns what happened on each run as plain
+data; ``judge`` reads that and gives the verdict. In a notebook the grader does both.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import time
 import types
 from dataclasses import dataclass, field
@@ -332,109 +339,156 @@ def _anonymous(manager: type, scheduler: type) -> types.SimpleNamespace:
                                  SequenceRequest=SequenceRequest)
 
 
-# ---- graders --------------------------------------------------------------------------------
-_NOT_A_TEST = (NotImplementedError, NameError, TypeError, AttributeError, SyntaxError)
+# ---- graders: run a test here (``probe``), judge what it did there (``judge``) ------------------
+_NOT_A_TEST = ("NotImplementedError", "NameError", "TypeError", "AttributeError", "SyntaxError")
+FLAWED, CORRECT = ("naive", "flaw"), "correct"
+LABELS = {"naive": "the naive implementation", "flaw": "an implementation that has this flaw and no other",
+          CORRECT: "the correct implementation"}
 
 
-def _run(test: Callable, impl) -> BaseException | None:
-    """What ``test(impl)`` raised, or None if it returned. A test that returns a value (a
-    check written as ``return ok`` instead of ``assert ok``) raises ``_Returned``."""
+def run_plan(rng: random.Random, flawed_runs: int, correct_runs: int) -> dict:
+    """The order a test is run in: ``flawed_runs`` times on each flawed implementation and
+    ``correct_runs`` times on the correct one, shuffled (never all flawed ones first, nor all
+    correct ones first), so that a test that counts its calls instead of testing cannot tell
+    which run it is in."""
+    kinds = [k for k in FLAWED for _ in range(flawed_runs)] + [CORRECT] * correct_runs
+    sorted_ways = (sorted(kinds, key=lambda k: k == CORRECT), sorted(kinds, key=lambda k: k != CORRECT))
+    while True:
+        rng.shuffle(kinds)
+        if kinds not in sorted_ways:
+            return {"order": list(kinds)}
+
+
+def _outcome(test: Callable, kind: str, number: int) -> dict:
+    """What ``test`` did on a fresh, anonymous implementation of ``kind``, as plain data."""
+    manager, scheduler = {"naive": (NaiveBlockManager, NaiveScheduler), "flaw": _FLAW_ONLY[number],
+                          CORRECT: (PagedBlockManager, PagedScheduler)}[kind]
     try:
-        result = test(impl)
+        result = test(_anonymous(manager, scheduler))
     except KeyboardInterrupt:
         raise
     except BaseException as e:    # noqa: BLE001 - the verdict depends on what was raised
-        return e
-    return None if result is None else _Returned(result)
+        what = ("assertion" if isinstance(e, AssertionError) else "runaway" if isinstance(e, _Runaway)
+                else "not implemented" if isinstance(e, NotImplementedError) else "error")
+        return {"kind": kind, "result": what, "error": type(e).__name__, "message": str(e)[:300]}
+    if result is not None:            # a check written as ``return ok``: nobody reads it
+        return {"kind": kind, "result": "returned", "returned": shown(result)}
+    return {"kind": kind, "result": "passed"}
 
 
-class _Returned(Exception):
-    """A test returned a value: nobody reads it, so it passes whatever it says."""
+def _probe(number: int):
+    def probe(test: object, *, plan: dict) -> dict:
+        """Run ``test`` in the plan's order (where the student's code lives: their kernel)."""
+        if test is Ellipsis or test is None or not callable(test):
+            return {"not a test": shown(test)}
+        return {"name": str(getattr(test, "__name__", "your test"))[:80],
+                "outcomes": [_outcome(test, kind, number) for kind in plan["order"]]}
+    return probe
 
 
-def _grade_test(test: object, number: int, flaw: str, concept: str, *, runs_on_correct: int = 2,
-                runs_on_flawed: int = 1) -> None:
-    """Accept ``test`` if it fails with an ``AssertionError`` on the naive implementation and
-    on the one with only this flaw (each run ``runs_on_flawed`` times), and passes on the
-    correct one every one of ``runs_on_correct`` times."""
-    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    if test is Ellipsis or test is None or not callable(test):
-        fail(f"{flaw}: pass your test function itself (e.g. check_...(test_name)), not {shown(test)}.")
-    name = getattr(test, "__name__", "your test")
-    on_naive: BaseException | None = None
-    for impl, label in ((_anonymous(NaiveBlockManager, NaiveScheduler), "the naive implementation"),
-                        (_anonymous(*_FLAW_ONLY[number]), "an implementation that has this flaw and no other")):
-        for _ in range(runs_on_flawed):
-            got = _run(test, impl)
-            if isinstance(got, _Returned):
-                fail(f"{flaw}: {name} returned {shown(got.args[0])} on {label}. A test fails only by "
-                     "raising: a returned value is ignored, so this test passes whatever it finds. "
-                     "Turn the check into an `assert ..., \"message\"`.")
-            if isinstance(got, NotImplementedError):
-                fail(f"{flaw}: {name} still raises NotImplementedError: write the test.")
-            if isinstance(got, _Runaway):
-                fail(f"{flaw}: on {label} {name} ran {got}; does it wait for something that never "
-                     f"happens? {concept}")
-            if got is None:
-                fail(f"{flaw}: {name} passes on {label}, so it does not expose this flaw. {concept}")
-            if not isinstance(got, AssertionError):
-                hint = ("That looks like a bug in the test itself. " if isinstance(got, _NOT_A_TEST) else
-                        "A test should detect the flaw with an `assert ...`, not crash on it. ")
-                fail(f"{flaw}: on {label} {name} raised {type(got).__name__}: {got}. {hint}{concept}")
-            on_naive = on_naive or got
-    correct = _anonymous(PagedBlockManager, PagedScheduler)
-    for run in range(runs_on_correct):
-        got = _run(test, correct)
-        if got is None or isinstance(got, _Returned):
-            continue
-        what = f"{type(got).__name__}: {got}"
-        if isinstance(got, _Runaway):
-            fail(f"{flaw}: on the correct implementation {name} ran {got}. Does it wait for a request "
-                 "that can never finish, say in a pool too small for it? (A correct manager makes a "
-                 "request wait when no block is free.)")
-        if run == 0:
-            fail(f"{flaw}: {name} fails on the correct implementation too ({what}), which does not have "
-                 "this flaw. A test must fail because of the flaw, not for reasons every implementation "
-                 "shares (check the sizes and the steps you ran).")
-        fail(f"{flaw}: {name} passed on the correct implementation {run} time(s), then failed ({what}). "
-             "A test that fails at random on a correct implementation is flaky: nobody can trust it. "
-             "Make the difference it measures large against the noise, and its margin generous.")
-    message = str(on_naive).strip() or "(no message: give your assert one)"
-    passed(f"{name} fails on the naive manager ({message[:160]}) and passes on labkit's.")
+def _judge(flaw: str, concept: str):
+    def judge(ran: object, *, plan: dict) -> None:
+        """Accept the test if it failed with an ``AssertionError`` on every run on a flawed
+        implementation and passed on every run on the correct one (``ran``: what ``probe``
+        handed in, read as data)."""
+        __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+        if not isinstance(ran, dict):
+            fail(f"{flaw}: nothing was handed in for the test.")
+        if "not a test" in ran:
+            fail(f"{flaw}: pass your test function itself (e.g. check_...(test_name)), not {str(ran['not a test'])[:60]}.")
+        outcomes = ran.get("outcomes")
+        order = plan["order"]
+        if not isinstance(outcomes, list) or len(outcomes) != len(order) or not all(
+                isinstance(o, dict) and all(isinstance(v, str) for v in o.values()) for o in outcomes):
+            fail(f"{flaw}: what the test did could not be read.")
+        name = str(ran.get("name", "your test"))
+        runs = list(zip(order, outcomes))                  # the plan's kinds, not what the kernel says
+        on_naive = None
+        for kind in FLAWED:
+            label = LABELS[kind]
+            for _, got in (r for r in runs if r[0] == kind):
+                result = got.get("result")
+                if result == "returned":
+                    fail(f"{flaw}: {name} returned {got.get('returned')} on {label}. A test fails only by "
+                         "raising: a returned value is ignored, so this test passes whatever it finds. "
+                         "Turn the check into an `assert ..., \"message\"`.")
+                if result == "not implemented":
+                    fail(f"{flaw}: {name} still raises NotImplementedError: write the test.")
+                if result == "runaway":
+                    fail(f"{flaw}: on {label} {name} ran {got.get('message')}; does it wait for something that "
+                         f"never happens? {concept}")
+                if result == "passed":
+                    fail(f"{flaw}: {name} passes on {label}, so it does not expose this flaw. {concept}")
+                if result != "assertion":
+                    hint = ("That looks like a bug in the test itself. " if got.get("error") in _NOT_A_TEST else
+                            "A test should detect the flaw with an `assert ...`, not crash on it. ")
+                    fail(f"{flaw}: on {label} {name} raised {got.get('error')}: {got.get('message')}. {hint}{concept}")
+                on_naive = on_naive or got.get("message", "")
+        correct = [got for kind, got in runs if kind == CORRECT]
+        for run, got in enumerate(correct):
+            if got.get("result") in ("passed", "returned"):
+                continue
+            what = f"{got.get('error')}: {got.get('message')}"
+            if got.get("result") == "runaway":
+                fail(f"{flaw}: on the correct implementation {name} ran {got.get('message')}. Does it wait for a "
+                     "request that can never finish, say in a pool too small for it? (A correct manager makes a "
+                     "request wait when no block is free.)")
+            if run == 0:
+                fail(f"{flaw}: {name} fails on the correct implementation too ({what}), which does not have "
+                     "this flaw. A test must fail because of the flaw, not for reasons every implementation "
+                     "shares (check the sizes and the steps you ran).")
+            fail(f"{flaw}: {name} passed on the correct implementation {run} time(s), then failed ({what}). "
+                 "A test that fails at random on a correct implementation is flaky: nobody can trust it. "
+                 "Make the difference it measures large against the noise, and its margin generous.")
+        message = (on_naive or "").strip() or "(no message: give your assert one)"
+        passed(f"{name} fails on the naive manager ({message[:160]}) and passes on labkit's.")
+    return judge
 
 
-@graded("2.2")
-def check_generated_tokens_test(test: object) -> None:
-    """Exercise 2.2 (flaw 1): a test that fails when generated tokens get no slots."""
-    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    _grade_test(test, 1, "Exercise 2.2 (flaw 1, generated tokens)",
-                "After every iteration, what must hold between the tokens a running request holds "
-                "and the slots its block table gives it?")
+def _bughunt_grader(exercise: str, number: int, flaw: str, concept: str, flawed_runs: int, correct_runs: int):
+    """The grader of one bug-hunt exercise, in its two halves: ``probe`` runs the student's
+    test where it lives and hands in what it did, ``judge`` reads that (in ``labkit.grade``,
+    outside the student's kernel); ``plan`` draws the order of the runs. Called in a notebook,
+    it does all three itself, in a fresh random order each time."""
+    probe, judge = _probe(number), _judge(flaw, concept)
 
+    def plan(rng: random.Random) -> dict:
+        return run_plan(rng, flawed_runs, correct_runs)
+
+    @graded(exercise)
+    def check(test: object) -> None:
+        __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+        order = plan(random.Random())
+        judge(probe(test, plan=order), plan=order)
+
+    check.probe, check.judge, check.plan = probe, judge, plan
+    return check
+
+
+check_generated_tokens_test = _bughunt_grader(
+    "2.2", 1, "Exercise 2.2 (flaw 1, generated tokens)",
+    "After every iteration, what must hold between the tokens a running request holds "
+    "and the slots its block table gives it?", flawed_runs=2, correct_runs=3)
+check_generated_tokens_test.__doc__ = "Exercise 2.2 (flaw 1): a test that fails when generated tokens get no slots."
+check_generated_tokens_test.__name__ = check_generated_tokens_test.__qualname__ = "check_generated_tokens_test"
 
 #: Runs of a timing test on the correct manager that must all pass.
 TIMING_RUNS = 5
+check_free_list_test = _bughunt_grader(
+    "2.3", 2, "Exercise 2.3 (flaw 2, the O(n) free list)",
+    "What does one allocation from the naive free list cost, and what does that cost "
+    "grow with? A correct manager's cost does not.", flawed_runs=2, correct_runs=TIMING_RUNS)
+check_free_list_test.__doc__ = ("Exercise 2.3 (flaw 2): a test that fails when allocation time grows with the pool "
+                                f"size; it must pass on the correct manager {TIMING_RUNS} times out of as many.")
+check_free_list_test.__name__ = check_free_list_test.__qualname__ = "check_free_list_test"
 
-
-@graded("2.3")
-def check_free_list_test(test: object) -> None:
-    """Exercise 2.3 (flaw 2): a test that fails when allocation time grows with the pool
-    size; it must pass on the correct manager ``TIMING_RUNS`` times out of as many."""
-    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    _grade_test(test, 2, "Exercise 2.3 (flaw 2, the O(n) free list)",
-                "What does one allocation from the naive free list cost, and what does that cost "
-                "grow with? A correct manager's cost does not.", runs_on_correct=TIMING_RUNS,
-                runs_on_flawed=2)
-
-
-@graded("2.4")
-def check_shared_blocks_test(test: object) -> None:
-    """Exercise 2.4 (flaw 3): a test that fails when freeing one holder of a shared block
-    frees it for all."""
-    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    _grade_test(test, 3, "Exercise 2.4 (flaw 3, no reference counts)",
-                "What must happen to a block that two sequences hold when one of them finishes, and "
-                "what may the manager hand out next?")
+check_shared_blocks_test = _bughunt_grader(
+    "2.4", 3, "Exercise 2.4 (flaw 3, no reference counts)",
+    "What must happen to a block that two sequences hold when one of them finishes, and "
+    "what may the manager hand out next?", flawed_runs=2, correct_runs=3)
+check_shared_blocks_test.__doc__ = ("Exercise 2.4 (flaw 3): a test that fails when freeing one holder of a shared "
+                                    "block frees it for all.")
+check_shared_blocks_test.__name__ = check_shared_blocks_test.__qualname__ = "check_shared_blocks_test"
 
 
 def answer_forms() -> dict[str, list[str]]:

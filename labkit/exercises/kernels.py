@@ -13,12 +13,19 @@ Students write three functions in torch, each checked on random inputs against l
 
 The kernel works in base 2 (``exp2``, with log2(e) folded into the scale); the exercises use
 natural ``exp``: the algebra is the same.
+
+Each grader comes in two halves, so that ``labkit.grade`` can run the student's function where
+it lives (their kernel, in a sandbox) and judge it where their code cannot reach: ``probe``
+calls the function on the grader's inputs (the same fixed cases on both sides) and returns
+its outputs as plain numbers; ``judge`` rebuilds them and gives the verdict. In a notebook the
+grader does both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import random
 from typing import Callable
 
@@ -57,6 +64,74 @@ def _as_tensor(name: str, x, shape, dtype=None) -> torch.Tensor:
     return x if dtype is None else x.to(dtype)
 
 
+#: Element types an output may come back as, and the most elements one may have.
+_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+_MAX_ELEMENTS = 1 << 20
+
+
+def _to_data(x) -> dict:
+    """A function's output as plain data (shape, element type, numbers), or what it was instead."""
+    try:
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    except Exception:     # noqa: BLE001 - described to the judge instead
+        return {"type": type(x).__name__}
+    if t.numel() > _MAX_ELEMENTS:
+        return {"type": f"tensor of {t.numel():,} elements"}
+    t = t.detach().cpu()
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+            "data": (t.float() if t.dtype == torch.bfloat16 else t).flatten().tolist()}
+
+
+def _received(name: str, out: object, shape, dtype=None) -> torch.Tensor:
+    """An output handed in as ``_to_data`` made it, as a tensor of ``shape`` (the judge's
+    ``_as_tensor``: anything else fails, saying what it was)."""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+    if not isinstance(out, dict) or "type" in out:
+        what = out.get("type") if isinstance(out, dict) else type(out).__name__
+        fail(f"{name}: expected a tensor of shape {tuple(shape)}, got {what}.")
+    got_shape, kind, data = out.get("shape"), out.get("dtype"), out.get("data")
+    if not (isinstance(got_shape, list) and all(isinstance(n, int) and n >= 0 for n in got_shape)
+            and kind in _DTYPES and isinstance(data, list) and len(data) == math.prod(got_shape)
+            and all(isinstance(v, (int, float)) for v in data)):
+        fail(f"{name}: the output handed in could not be read.")
+    if tuple(got_shape) != tuple(shape):
+        fail(f"{name}: expected shape {tuple(shape)}, got {tuple(got_shape)}.")
+    t = torch.tensor(data, dtype=torch.float32 if kind == "bfloat16" else getattr(torch, kind)).reshape(got_shape)
+    return t if dtype is None else t.to(dtype)
+
+
+def _cases_run(name: str, ran: object, count: int) -> list:
+    """The per-case outputs a probe handed in, or the failure it recorded."""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+    if not isinstance(ran, list) or not ran or len(ran) > count or not all(isinstance(r, dict) for r in ran):
+        fail(f"{name}: what the function returned could not be read.")
+    for r in ran:
+        if "fail" in r:
+            fail(str(r["fail"]))
+    if len(ran) != count:
+        fail(f"{name}: what the function returned could not be read.")
+    return ran
+
+
+def _probe_cases(fn: object, name: str, calls) -> list:
+    """Each case's output of ``fn`` (``calls`` yields one call per case), as plain data; the
+    first failure (a stub, an exception, a wrong shape) is recorded and ends the list."""
+    out = []
+    for call in calls:
+        try:
+            out.append(call(fn))
+        except AssertionError as e:
+            out.append({"fail": str(e)})
+            break
+    return out
+
+
+def _two_halves(grader, probe, judge):
+    """Give a grader the halves ``labkit.grade`` runs apart (module docstring)."""
+    grader.probe, grader.judge = probe, judge
+    return grader
+
+
 # ---- exercise 5.1: slot mapping ------------------------------------------------------------
 def random_block_tables(num_seqs: int = 5, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
     """Real block tables from a real allocator, grown in turns so that their blocks
@@ -80,15 +155,22 @@ def random_block_tables(num_seqs: int = 5, block_size: int = 4, num_blocks: int 
     return bt, lens, tables
 
 
-@graded("5.1")
-def check_slot_mapping(decode_slot_mapping: Callable) -> None:
-    """Exercise 5.1: ``decode_slot_mapping(block_tables, context_lens, block_size)`` returns
-    the slot of each sequence's newest token (position ``context_lens[s] - 1``)."""
+def _slot_cases() -> list:
+    return [(bs, *random_block_tables(num_seqs=6, block_size=bs, num_blocks=256, seed=seed))
+            for seed, bs in ((0, 4), (1, 16), (2, 8), (3, 1))]
+
+
+def _probe_slot_mapping(decode_slot_mapping: object, *, plan: dict | None = None) -> list:
+    return _probe_cases(decode_slot_mapping, "decode_slot_mapping", [
+        (lambda fn, bs=bs, bt=bt, lens=lens: _to_data(_call(fn, "decode_slot_mapping", bt.clone(), lens.clone(), bs)))
+        for bs, bt, lens, _ in _slot_cases()])
+
+
+def _judge_slot_mapping(ran: object, *, plan: dict | None = None) -> None:
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    for seed, bs in ((0, 4), (1, 16), (2, 8), (3, 1)):
-        bt, lens, tables = random_block_tables(num_seqs=6, block_size=bs, num_blocks=256, seed=seed)
-        got = _call(decode_slot_mapping, "decode_slot_mapping", bt.clone(), lens.clone(), bs)
-        got = _as_tensor("decode_slot_mapping(...)", got, (len(tables),)).long()
+    cases = _slot_cases()
+    for (bs, bt, lens, tables), out in zip(cases, _cases_run("decode_slot_mapping", ran, len(cases))):
+        got = _received("decode_slot_mapping(...)", out, (len(tables),)).long()
         expected = torch.tensor([t.slot(t.num_tokens - 1) for t in tables])
         if torch.equal(got, expected):
             continue
@@ -117,6 +199,17 @@ def check_slot_mapping(decode_slot_mapping: Callable) -> None:
              f"({offset}). Where in its block does the newest position fall?")
     passed("Slots match BlockTable.slot on real block tables (block sizes 1, 4, 8, 16): "
            "slot = block_tables[s, pos // block_size] * block_size + pos % block_size.")
+
+
+@graded("5.1")
+def check_slot_mapping(decode_slot_mapping: Callable) -> None:
+    """Exercise 5.1: ``decode_slot_mapping(block_tables, context_lens, block_size)`` returns
+    the slot of each sequence's newest token (position ``context_lens[s] - 1``)."""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+    _judge_slot_mapping(_probe_slot_mapping(decode_slot_mapping))
+
+
+_two_halves(check_slot_mapping, _probe_slot_mapping, _judge_slot_mapping)
 
 
 # ---- exercise 5.2: the online softmax step -------------------------------------------------
@@ -172,16 +265,23 @@ def _softmax_cases():
     return cases
 
 
-@graded("5.2")
-def check_online_softmax(online_softmax_step: Callable) -> None:
-    """Exercise 5.2: ``online_softmax_step(m, l, acc, s, v) -> (m, l, acc)`` folds one tile
-    of scores ``s`` [rows, T] and values ``v`` [T, d] into the running max ``m`` [rows],
-    denominator ``l`` [rows] and unnormalized output ``acc`` [rows, d]. After the last
-    tile, ``acc / l[:, None]`` must equal ``softmax(all scores) @ all values``."""
+def _probe_online_softmax(online_softmax_step: object, *, plan: dict | None = None) -> list:
+    def fold(step, case):
+        rows, d, s_tiles, v_tiles, _ = case
+        m, l, acc = _fold(step, s_tiles, v_tiles, rows, d, "online_softmax_step")
+        return {"m": _to_data(m), "l": _to_data(l), "acc": _to_data(acc)}
+    return _probe_cases(online_softmax_step, "online_softmax_step",
+                        [lambda step, case=case: fold(step, case) for case in _softmax_cases()])
+
+
+def _judge_online_softmax(ran: object, *, plan: dict | None = None) -> None:
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     name = "online_softmax_step"
-    for rows, d, s_tiles, v_tiles, what in _softmax_cases():
-        m, l, acc = _fold(online_softmax_step, s_tiles, v_tiles, rows, d, name)
+    cases = _softmax_cases()
+    for (rows, d, s_tiles, v_tiles, what), out in zip(cases, _cases_run(name, ran, len(cases))):
+        m = _received(f"{name}: m", out.get("m"), (rows,), torch.float64)
+        l = _received(f"{name}: l", out.get("l"), (rows,), torch.float64)
+        acc = _received(f"{name}: acc", out.get("acc"), (rows, d), torch.float64)
         s_all, v_all = torch.cat(s_tiles, dim=1), torch.cat(v_tiles, dim=0)
         expected = torch.softmax(s_all, dim=1) @ v_all
         out = acc / l[:, None]
@@ -212,6 +312,19 @@ def check_online_softmax(online_softmax_step: Callable) -> None:
              "tile itself adds.")
     passed("online softmax matches softmax(s) @ v over every tiling tried, including growing maxima, "
            "masked slots and scores near 800 (where a plain exp would overflow).")
+
+
+@graded("5.2")
+def check_online_softmax(online_softmax_step: Callable) -> None:
+    """Exercise 5.2: ``online_softmax_step(m, l, acc, s, v) -> (m, l, acc)`` folds one tile
+    of scores ``s`` [rows, T] and values ``v`` [T, d] into the running max ``m`` [rows],
+    denominator ``l`` [rows] and unnormalized output ``acc`` [rows, d]. After the last
+    tile, ``acc / l[:, None]`` must equal ``softmax(all scores) @ all values``."""
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+    _judge_online_softmax(_probe_online_softmax(online_softmax_step))
+
+
+_two_halves(check_online_softmax, _probe_online_softmax, _judge_online_softmax)
 
 
 # ---- exercise 5.3: one sequence's paged decode --------------------------------------------------
@@ -248,20 +361,97 @@ _DECODE_MISTAKES = (
 )
 
 
-def _broken_step_in(fn: object) -> str | None:
-    """Why ``fn`` fails because of the student's own ``online_softmax_step`` (the notebook's
-    ``paged_decode_one`` calls it), or None when it does not call one or that one is right."""
+def _step_of(fn: object):
+    """The student's own ``online_softmax_step`` that ``fn`` calls (the notebook's
+    ``paged_decode_one`` does), or None."""
     code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    step = scope.get("online_softmax_step")
+    step = scope.get("online_softmax_step") if isinstance(scope, dict) else None
     if code is None or "online_softmax_step" not in code.co_names or not callable(step):
+        return None
+    return step
+
+
+def _broken_step(ran: object) -> str | None:
+    """Why 5.3 fails because of the student's 5.2 (``ran``: what 5.2's probe handed in for the
+    step ``paged_decode_one`` calls), or None when it calls none or that one is right."""
+    if ran is None:
         return None
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            check_online_softmax(step)
+            _judge_online_softmax(ran)
     except AssertionError as e:
         return (f"paged_decode_one: it calls your online_softmax_step, which does not pass exercise 5.2 "
                 f"yet ({str(e)[:160]}). Make 5.2 pass first.")
     return None
+
+
+def _decode_cases() -> list:
+    """The cases 5.3 is checked on: (q, k_cache, v_cache, block_table, context_len, scale, what)."""
+    g = torch.Generator().manual_seed(1)
+    cases = []
+    for num_blocks, bs, kv_heads, group, d in ((24, 4, 2, 2, 8), (16, 16, 1, 3, 16), (40, 8, 3, 1, 4)):
+        k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
+        v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
+        for context_len in (1, bs, 3 * bs + 1):
+            n = -(-context_len // bs)
+            blocks = torch.randperm(num_blocks, generator=g)[: n + 2].to(torch.int32)  # extra: unused
+            q = torch.randn(kv_heads * group, d, generator=g)
+            what = (f"block size {bs}, context length {context_len}, {kv_heads} KV heads × {group} "
+                    f"query heads each, block table {blocks[:n].tolist()}")
+            cases.append((q, k_cache, v_cache, blocks, context_len, d ** -0.5, what))
+    return cases
+
+
+def _probe_paged_decode(paged_decode_one: object, *, plan: dict | None = None) -> dict:
+    def call(fn, case):
+        q, k_cache, v_cache, blocks, context_len, scale, _ = case
+        got = _call(fn, "paged_decode_one", q.clone(), k_cache, v_cache, blocks.clone(), context_len, scale)
+        return _to_data(got)
+    step = _step_of(paged_decode_one)
+    return {"cases": _probe_cases(paged_decode_one, "paged_decode_one",
+                                  [lambda fn, case=case: call(fn, case) for case in _decode_cases()]),
+            "step": _probe_online_softmax(step) if step is not None else None}
+
+
+def _judge_paged_decode(ran: object, *, plan: dict | None = None) -> None:
+    __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
+    from ..kernels import paged_decode_attention_ref
+    name = "paged_decode_one"
+    if not isinstance(ran, dict):
+        fail(f"{name}: what the function returned could not be read.")
+    cases = _decode_cases()
+    try:
+        outputs = _cases_run(name, ran.get("cases"), len(cases))
+        error = None
+    except AssertionError as e:
+        error = str(e)
+    if error is not None:     # outside the except block: no "during handling" chain
+        fail(_broken_step(ran.get("step")) or error)
+    for (q, k_cache, v_cache, blocks, context_len, scale, case), out in zip(cases, outputs):
+        expected = paged_decode_attention_ref(q[None], k_cache, v_cache, blocks[None],
+                                              torch.tensor([context_len], dtype=torch.int32), scale)[0]
+        try:
+            got = _received(f"{name}(...)", out, tuple(q.shape), torch.float32)
+            error = None
+        except AssertionError as e:
+            error = str(e)
+        if error is not None:
+            fail(_broken_step(ran.get("step")) or error)
+        if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+            broken = _broken_step(ran.get("step"))
+            if broken:
+                fail(broken)
+            for kwargs, hint in _DECODE_MISTAKES:
+                wrong = _decode_variant(q, k_cache, v_cache, blocks, context_len, scale, **kwargs)
+                if not torch.allclose(wrong, expected, rtol=1e-4, atol=1e-5) and \
+                        torch.allclose(got, wrong, rtol=1e-4, atol=1e-5):
+                    fail(f"{name}: wrong on {case}: {hint}")
+            err = (got - expected).abs().max().item()
+            fail(f"{name}: differs from the reference by up to {err:.3g} ({case}). Check each "
+                 "step: which physical block holds logical block i, how many of its tokens "
+                 "belong to the sequence, and which KV head each query head reads.")
+    passed("paged_decode_one equals paged_decode_attention_ref for block sizes 4, 8, 16, GQA groups "
+           "1-3, and contexts that end mid-block: the kernel's algorithm, in torch.")
 
 
 @graded("5.3")
@@ -270,44 +460,10 @@ def check_paged_decode(paged_decode_one: Callable) -> None:
     for one sequence (q [num_heads, d], block_table a 1-D tensor of block ids) must equal
     ``paged_decode_attention_ref`` on that sequence."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    from ..kernels import paged_decode_attention_ref
-    name = "paged_decode_one"
-    g = torch.Generator().manual_seed(1)
-    for num_blocks, bs, kv_heads, group, d in ((24, 4, 2, 2, 8), (16, 16, 1, 3, 16), (40, 8, 3, 1, 4)):
-        k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
-        v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
-        for context_len in (1, bs, 3 * bs + 1):
-            n = -(-context_len // bs)
-            blocks = torch.randperm(num_blocks, generator=g)[: n + 2].to(torch.int32)  # extra: unused
-            q = torch.randn(kv_heads * group, d, generator=g)
-            scale = d ** -0.5
-            expected = paged_decode_attention_ref(q[None], k_cache, v_cache, blocks[None],
-                                                  torch.tensor([context_len], dtype=torch.int32), scale)[0]
-            try:
-                got = _call(paged_decode_one, name, q.clone(), k_cache, v_cache, blocks.clone(), context_len, scale)
-                got = _as_tensor(f"{name}(...)", got, tuple(q.shape), torch.float32)
-                error = None
-            except AssertionError as e:
-                error = str(e)
-            if error is not None:     # outside the except block: no "during handling" chain
-                fail(_broken_step_in(paged_decode_one) or error)
-            if not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
-                broken = _broken_step_in(paged_decode_one)
-                if broken:
-                    fail(broken)
-                case = (f"block size {bs}, context length {context_len}, {kv_heads} KV heads × {group} "
-                        f"query heads each, block table {blocks[:n].tolist()}")
-                for kwargs, hint in _DECODE_MISTAKES:
-                    wrong = _decode_variant(q, k_cache, v_cache, blocks, context_len, scale, **kwargs)
-                    if not torch.allclose(wrong, expected, rtol=1e-4, atol=1e-5) and \
-                            torch.allclose(got, wrong, rtol=1e-4, atol=1e-5):
-                        fail(f"{name}: wrong on {case}: {hint}")
-                err = (got - expected).abs().max().item()
-                fail(f"{name}: differs from the reference by up to {err:.3g} ({case}). Check each "
-                     "step: which physical block holds logical block i, how many of its tokens "
-                     "belong to the sequence, and which KV head each query head reads.")
-    passed("paged_decode_one equals paged_decode_attention_ref for block sizes 4, 8, 16, GQA groups "
-           "1-3, and contexts that end mid-block: the kernel's algorithm, in torch.")
+    _judge_paged_decode(_probe_paged_decode(paged_decode_one))
+
+
+_two_halves(check_paged_decode, _probe_paged_decode, _judge_paged_decode)
 
 
 def answer_forms() -> dict[str, list[str]]:

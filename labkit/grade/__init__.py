@@ -1,22 +1,37 @@
 """Grade a class's notebooks into a gradebook: ``python -m labkit.grade SUBMISSIONS``.
 
-Every submitted notebook runs top to bottom in a fresh kernel (nbclient, the engine under
-``pytest --nbval-lax``), in a scratch folder of its own, with a per-cell timeout. Each
-``# CHECK exercise X.Y`` cell becomes that exercise's result (pass, fail with the grader's
-hint, not attempted, not run), weighted by ``labkit.exercises.points``; integrity checks
-(edited check cells, graders' internals, timeouts, unknown notebooks) become flags. The
-result is one row per student and notebook, as CSV, HTML and a summary on the terminal.
+Every submitted notebook runs top to bottom in a fresh kernel in a sandbox of its own
+(bubblewrap, or ``unshare``; said loudly where neither works), with limits on time, memory
+and output. Each ``# CHECK exercise X.Y`` cell hands that exercise's answers out of the kernel
+as plain data, and the exercise's grader judges them here, in the grading process, where the
+student's code cannot reach; weights come from ``labkit.exercises.points``. What a notebook
+did to reach the grading machinery becomes a flag. The result is one row per student and
+notebook, as CSV, HTML and a summary on the terminal. See docs/grading.md (the threat model
+included).
 
-Modules, in the order a submission meets them: ``collect`` (who handed in what), ``notebook``
-(one submission: check cells restored, integrity, verdicts), ``integrity`` (what the
-student's code imports), ``execute`` (the kernel), ``run`` (the class, N at a time),
-``report`` (CSV, HTML, terminal). See docs/grading.md.
+Modules, in the order a submission meets them: ``collect`` (who handed in what), ``formats``
+(every nbformat a student can hand in), ``notebook`` (one submission), ``checks`` (check cells
+read, answer cells written), ``integrity`` (static flags), ``sandbox``, ``jail`` and ``guard``
+(isolation and limits), ``execute`` (the kernel), ``probe`` (the kernel's side of an answer
+cell), ``judge`` (the verdict, outside the kernel), ``run`` (the class), ``report`` (CSV, HTML,
+terminal).
+
+This package's attributes load lazily: a kernel that imports ``labkit.grade.probe`` loads
+that module alone, not the grading machinery.
 """
 
-from .collect import Submission, collect
-from .notebook import FAIL, NOT_ATTEMPTED, NOT_RUN, PASS, Result, Row
-from .report import csv_text, html_text, summary
-from .run import Gradebook, grade_class
+import importlib
 
-__all__ = ["grade_class", "Gradebook", "Row", "Result", "Submission", "collect", "csv_text",
-           "html_text", "summary", "PASS", "FAIL", "NOT_ATTEMPTED", "NOT_RUN"]
+_EXPORTS = {
+    "grade_class": "run", "Gradebook": "run", "Row": "notebook", "Result": "notebook",
+    "PASS": "notebook", "FAIL": "notebook", "NOT_ATTEMPTED": "notebook", "NOT_RUN": "notebook",
+    "Submission": "collect", "collect": "collect", "csv_text": "report", "html_text": "report",
+    "summary": "report", "Limits": "sandbox",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

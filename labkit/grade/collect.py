@@ -12,17 +12,23 @@ still listed (the student read from what its name allows), so that the report na
 each of the lab's notebooks that anyone handed in and that student did not is listed as
 missing (``path`` None). Jupyter's ``.ipynb_checkpoints``, hidden files and macOS's
 ``__MACOSX`` folders are skipped.
+
+One student, one notebook, one row: where a student handed in several files of one notebook
+(``02_paging.ipynb`` and ``02_paging (1).ipynb``), the newest by modification time is graded
+(on a tie, the last by name) and the others are listed in its row as ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..notebooks import STUDENT_SEPARATOR as SEPARATOR
-from ..notebooks import exercise_id, read
+from ..notebooks import exercise_id
+from .formats import Unreadable, load
 
 SKIPPED = (".ipynb_checkpoints", "__MACOSX")
 
@@ -35,6 +41,7 @@ class Submission:
     path: Path | None
     problem: str = ""         # why its student or notebook could not be told, if so
     renamed: str = ""         # the file's own name, when it was recognised as ``notebook`` by its content
+    ignored: tuple[str, ...] = ()   # older files of the same notebook by the same student, not graded
 
     @property
     def known(self) -> bool:
@@ -60,8 +67,8 @@ def identify(path: Path, lab: Mapping[str, Sequence[str]]) -> str | None:
     """The lab notebook a renamed file is, told by its check cells: the one notebook whose
     check cells it shares, at least half of them; None if unreadable or ambiguous."""
     try:
-        mine = set(exercises_of(read(path)))
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        mine = set(exercises_of(load(path)))
+    except Unreadable:
         return None
     shared = [name for name, theirs in lab.items() if mine & set(theirs)]
     if len(shared) == 1 and 2 * len(mine & set(lab[shared[0]])) >= len(lab[shared[0]]):
@@ -101,6 +108,7 @@ def collect(root: Path, lab: Mapping[str, Sequence[str]], only: set[str] | None 
         if only is not None and notebook not in only and not problem:
             continue
         found.append(Submission(student, notebook, path, problem, renamed))
+    found = _newest(found, root)
     graded = only if only is not None else {s.notebook for s in found if s.known}
     handed = {(s.student, s.notebook) for s in found}
     for student in sorted(students):
@@ -108,3 +116,18 @@ def collect(root: Path, lab: Mapping[str, Sequence[str]], only: set[str] | None 
             if (student, notebook) not in handed:
                 found.append(Submission(student, notebook, None))
     return sorted(found, key=lambda s: (s.student, s.notebook, str(s.path or "")))
+
+
+def _newest(found: list[Submission], root: Path) -> list[Submission]:
+    """One submission per student and known notebook: the newest file, naming the others."""
+    groups: dict[tuple[str, str], list[Submission]] = {}
+    for s in found:
+        if s.known:
+            groups.setdefault((s.student, s.notebook), []).append(s)
+    keep = [s for s in found if not s.known]
+    for group in groups.values():
+        group.sort(key=lambda s: (s.path.stat().st_mtime, str(s.path)))
+        newest, older = group[-1], group[:-1]
+        ignored = tuple(str(s.path.relative_to(root)) for s in reversed(older))
+        keep.append(dataclasses.replace(newest, ignored=ignored) if ignored else newest)
+    return keep

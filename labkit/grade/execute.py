@@ -1,11 +1,15 @@
-"""Run one notebook the way ``pytest --nbval-lax`` does: a fresh kernel, every code cell in
-order, a cell failing only by raising.
+"""Run one notebook's cells the way ``pytest --nbval-lax`` does, in a sandboxed kernel.
 
 Execution is nbclient's (nbval's engine), driven one cell at a time so that a cell that runs
 past the timeout is interrupted and the run goes on with the next cell, and a kernel that dies
-(``os._exit``, a crash, out of memory) ends the run without losing what ran before it. The
-kernel starts in ``workdir``, a scratch copy made for this one submission: a notebook that
-deletes or writes files touches nothing of anyone else's.
+(``os._exit``, a crash, a limit) ends the run without losing what ran before it.
+
+The kernel is ipykernel, started by ``sandbox.Sandbox.command``: its sockets are Unix sockets
+in its connection folder (``transport="ipc"``: a sandbox has no network, so no TCP between the
+grader and the kernel), interrupts are sent as messages (a signal would reach the sandbox's
+launcher, not the kernel), and no message larger than ``MAX_MESSAGE`` is accepted from it. The
+outputs of ordinary cells are counted (``guard`` stops a notebook that prints too much) and
+dropped; an answer cell's answers (``probe.MIME``) are kept for the judge.
 """
 
 from __future__ import annotations
@@ -16,88 +20,153 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
+import zmq
+from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
+
+from .guard import Guard, Watch
+from .probe import MIME
+from .sandbox import Sandbox
 
 #: The error name a cell that ran past the timeout is recorded with.
 TIMED_OUT = "CellTimeout"
 #: After a timeout the kernel is interrupted; if it does not answer within this many
 #: seconds (the student's code swallows KeyboardInterrupt, say), the run stops there.
 INTERRUPT_GRACE_S = 15
+MAX_MESSAGE = 16 << 20
+
+
+@dataclass(slots=True)
+class Cell:
+    """One cell of the run: its position in the submitted notebook (``index``), its code, and
+    for an answer cell the exercise it hands in."""
+    index: int
+    source: str
+    exercise: str | None = None
 
 
 @dataclass(slots=True)
 class CellRun:
-    """What happened to one code cell."""
-    index: int                      # position in the notebook (markdown cells count)
+    """What happened to one cell of the run."""
+    index: int                      # position in the submitted notebook (markdown cells count)
     error: tuple[str, str] | None = None    # (exception name, message) when it raised
     timed_out: bool = False
+    exercise: str | None = None     # an answer cell's exercise
 
 
 @dataclass(slots=True)
 class Execution:
-    """The cells that ran, in order, and why the run stopped early, if it did."""
+    """The cells that ran, in run order, what the answer cells handed in, and why the run
+    stopped early, if it did (``stopped_at``: the run position it stopped in)."""
     cells: dict[int, CellRun] = field(default_factory=dict)
-    stopped: str | None = None      # e.g. "the kernel died in cell 12"
-    stopped_at: int | None = None   # the cell it stopped in; later cells never ran
+    answers: dict[str, list[str]] = field(default_factory=dict)
+    stopped: str | None = None
+    stopped_at: int | None = None
+    limit: str | None = None        # the limit the guard stopped it for, if any
+    peak_mb: float = 0.0
+
+
+class SandboxedKernelManager(AsyncKernelManager):
+    """ipykernel in ``box``, talking over Unix sockets in ``workdir/conn``."""
+
+    def __init__(self, box: Sandbox, workdir: Path, job: int, **kwargs):
+        super().__init__(kernel_name="python3", **kwargs)
+        self.box, self.workdir, self.job = box, workdir, job
+        conn = workdir / "conn"
+        self.transport = "ipc"
+        self.ip = str(conn / "k")
+        self.connection_file = str(conn / "kernel.json")
+        self.context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+
+    def format_kernel_cmd(self, extra_arguments=None) -> list[str]:
+        self.kernel_spec.interrupt_mode = "message"
+        argv = super().format_kernel_cmd(extra_arguments)
+        env = self._launch_args.get("env") or {}
+        return self.box.command(argv, self.workdir, env, self.job)
+
+    def write_connection_file(self, **kwargs) -> None:
+        super().write_connection_file(**kwargs)
+        uid = self.box.uid(self.job)
+        if uid is not None:
+            os.chown(self.connection_file, uid, uid)
+
+    def client(self, **kwargs):
+        return super().client(context=self.context, **kwargs)      # its sockets capped too
 
 
 class _Quiet(NotebookClient):
-    """A client that keeps no outputs: verdicts come from the execute replies, and a cell
-    printing in an endless loop until the timeout must not fill the grader's memory."""
+    """A client that keeps no outputs but the answers: verdicts come from the execute replies
+    and the answer cells, and a cell printing in a loop must not fill the grader's memory."""
+
+    watch: Watch | None = None
+    answer_cells: dict[int, str] = {}
+    answers: dict[str, list[str]] = {}
 
     def output(self, outs, msg, display_id, cell_index):
+        content = msg.get("content", {})
+        data = content.get("data") or {}
+        size = len(content.get("text") or "") + sum(len(v) if isinstance(v, str) else 64 for v in data.values())
+        if self.watch is not None:
+            self.watch.printed += size
+        exercise = self.answer_cells.get(cell_index)
+        if exercise is not None and msg.get("msg_type") == "display_data" and isinstance(data.get(MIME), str):
+            self.answers.setdefault(exercise, []).append(data[MIME])
         return None
 
 
-def kernel_env(jobs: int) -> dict[str, str]:
-    """The kernels' environment: this one, with OpenMP threads sharing the cores between
-    ``jobs`` parallel kernels and waiting passively (spinning threads make a busy machine
-    10-20x slower)."""
-    env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, jobs))))
-    env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
-    return env
-
-
-def run_notebook(nb: nbformat.NotebookNode, workdir: Path, timeout: float, *,
-                 env: dict[str, str] | None = None, kernel_name: str = "python3",
-                 startup_timeout: float = 120, grace: float = INTERRUPT_GRACE_S) -> Execution:
-    """Execute ``nb`` in a fresh kernel started in ``workdir``; each code cell gets ``timeout``
-    seconds, after which nbclient interrupts the kernel and the run goes on (if the kernel
-    answers within ``grace`` seconds)."""
-    replies: dict[int, dict] = {}
-    client = _Quiet(nb, timeout=timeout, kernel_name=kernel_name, allow_errors=True,
-                    interrupt_on_timeout=True, startup_timeout=startup_timeout, record_timing=False,
+def run_cells(cells: list[Cell], box: Sandbox, workdir: Path, timeout: float, *, guard: Guard, job: int = 0,
+              env: dict[str, str], startup_timeout: float = 120, grace: float = INTERRUPT_GRACE_S) -> Execution:
+    """Execute ``cells`` in order in a fresh kernel in ``box``; each gets ``timeout`` seconds,
+    after which the kernel is interrupted and the run goes on (if it answers within ``grace``
+    seconds). ``workdir``: this notebook's scratch folder on the host."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.source) for c in cells])
+    box.prepare(workdir, job)
+    km = SandboxedKernelManager(box, workdir, job)
+    client = _Quiet(nb, km=km, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
+                    startup_timeout=startup_timeout, record_timing=False,
                     error_on_timeout={"ename": TIMED_OUT, "evalue": f"ran past the {timeout:g} s timeout",
                                       "traceback": []},
                     resources={"metadata": {"path": str(workdir)}})
+    client.answer_cells = {k: c.exercise for k, c in enumerate(cells) if c.exercise}
+    client.answers = {}
+    replies: dict[int, dict] = {}
     client.on_cell_executed = lambda cell, cell_index, execute_reply: replies.__setitem__(
         cell_index, (execute_reply or {}).get("content", {}))
-    run = Execution()
-    # The kernel's own stdout/stderr (not the cells' output, which comes over ZMQ) is its
-    # start-up chatter: kept off the grader's terminal.
-    with client.setup_kernel(env=env or kernel_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
-        for index, cell in enumerate(nb.cells):
-            if cell.cell_type != "code" or not cell.source.strip():
-                continue
-            result = run.cells[index] = CellRun(index)
-            try:
-                client.execute_cell(cell, index)
-            except DeadKernelError:
-                result.error = ("DeadKernelError", "the kernel died")
-                run.stopped, run.stopped_at = (f"the kernel died by cell {index + 1} (exit(), os._exit, "
-                                               "a crash or out of memory)"), index
-                break
-            reply = replies.pop(index, {})
-            if reply.get("status") == "error":
-                result.error = (reply.get("ename", "Error"), reply.get("evalue", ""))
-                result.timed_out = result.error[0] == TIMED_OUT
-            if result.timed_out and not _responsive(client, index, replies, grace):
-                run.stopped, run.stopped_at = (f"cell {index + 1} ran past the timeout and the kernel "
-                                               "did not stop when interrupted"), index
-                break
+    run = Execution(answers=client.answers)
+    watch = None
+    try:
+        # The kernel's own stdout/stderr (not the cells' output, which comes over ZMQ) is its
+        # start-up chatter: kept off the grader's terminal.
+        with client.setup_kernel(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
+            watch = client.watch = guard.watch(km.provisioner.pid, box.limits, workdir / "conn")
+            for k, (cell, source) in enumerate(zip(nb.cells, cells)):
+                result = run.cells[k] = CellRun(source.index, exercise=source.exercise)
+                try:
+                    client.execute_cell(cell, k)
+                except DeadKernelError:
+                    result.error = ("DeadKernelError", "the kernel died")
+                    run.stopped = (f"stopped in cell {source.index + 1}: it {watch.reason}" if watch.reason else
+                                   f"the kernel died by cell {source.index + 1} (exit(), os._exit, a crash "
+                                   "or out of memory)")
+                    run.stopped_at, run.limit = k, watch.reason
+                    break
+                reply = replies.pop(k, {})
+                if reply.get("status") == "error":
+                    result.error = (str(reply.get("ename", "Error"))[:200], str(reply.get("evalue", ""))[:2000])
+                    result.timed_out = result.error[0] == TIMED_OUT
+                if watch.reason is not None:           # stopped for a limit, the reply already sent
+                    run.stopped = f"stopped in cell {source.index + 1}: it {watch.reason}"
+                    run.stopped_at, run.limit = k, watch.reason
+                    break
+                if result.timed_out and not _responsive(client, k, replies, grace):
+                    run.stopped, run.stopped_at = (f"cell {source.index + 1} ran past the timeout and the kernel "
+                                                   "did not stop when interrupted"), k
+                    break
+    finally:
+        if watch is not None:
+            guard.forget(watch)
+            run.peak_mb = watch.peak_mb
     return run
 
 

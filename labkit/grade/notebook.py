@@ -1,20 +1,22 @@
 """Grade one submitted notebook: one row of the gradebook.
 
-1. Read it (a corrupt file is a row with the reason); find the distributed notebook of the
-   same name (``notebooks/``).
-2. Pair its check cells with the distributed ones (``labkit.notebooks.match_check_cells``) and
-   put the distributed text back in each: an edited check cell is flagged and graded by the
-   original, a deleted one fails its exercise.
-3. Read the student's own cells for uses of the graders' internals (``integrity``).
-4. Run it in a fresh kernel in a scratch folder (``execute``).
-5. Each ``# CHECK exercise X.Y`` cell gives its exercise's result: *pass* (it ran), *not
-   attempted* (the exercise's stub raised ``NotImplementedError``, in its own cell or inside
-   the check that called it: the stub and its check count once), *fail* with the grader's hint (the first lines of its
-   ``AssertionError``), or *not run* (the kernel died before it).
+1. Read it, whatever Jupyter wrote it (``formats``; an unreadable file is a row with the reason).
+2. Pair its check cells with the distributed ones (``labkit.notebooks.match_check_cells``):
+   by cell id, else by the ``# CHECK`` line. A check cell copied to run it again is graded
+   where it last appears; a deleted one is graded where it was; what a student changed in one
+   is honoured or flagged (``checks.compare``).
+3. Read the student's own cells for what reaches the grading machinery (``integrity``).
+4. Run it in a sandboxed kernel (``execute``, ``sandbox``), each check cell replaced by an
+   answer cell that hands the answers out as plain data (``checks.answer_cell``, ``probe``).
+5. Judge each exercise in this process (``judge``): *pass*, *fail* with the grader's hint,
+   *not attempted* (the exercise's stub is still there, or raised ``NotImplementedError``),
+   or *not run* (the run stopped before its check).
 """
 
 from __future__ import annotations
 
+import hashlib
+import random
 import re
 import shutil
 import tempfile
@@ -22,18 +24,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
-
 from ..exercises.points import points
-from ..notebooks import STUB_PREFIX, exercise_id, is_check_cell, match_check_cells, read
-from .collect import Submission, exercises_of
-from .execute import Execution, run_notebook
+from ..notebooks import STUB_PREFIX, is_check_cell, match_check_cells
+from .checks import Check, answer_cell, compare, read_checks
+from .collect import Submission
+from .execute import Cell, Execution, run_cells
+from .formats import Unreadable, load
+from .guard import Guard
 from .integrity import forbidden
+from .judge import PASS as JUDGED_PASS
+from .judge import UNANSWERED, judge
+from .sandbox import Sandbox, kernel_env
 
 PASS, FAIL, NOT_ATTEMPTED, NOT_RUN = "pass", "fail", "not attempted", "not run"
 HINT_LINES, HINT_CHARS = 2, 300
 ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
-CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u2028\u2029]")
 
 
 @dataclass(slots=True)
@@ -60,6 +66,7 @@ class Row:
     flags: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    sandbox: str = ""             # how its kernel was isolated: "bwrap", "unshare", "none"
 
     @property
     def points(self) -> int:
@@ -70,142 +77,218 @@ class Row:
         return sum(r.max_points for r in self.results)
 
 
-def exercise_ids(nb) -> list[str]:
-    """The exercises of a distributed notebook, in the order of its check cells."""
-    for cell in nb.cells:
-        if is_check_cell(cell) and exercise_id(cell) is None:
-            raise ValueError(f"check cell {cell.source.splitlines()[0]!r} does not name its "
-                             "exercise: write '# CHECK exercise X.Y'")
-    return exercises_of(nb)
+@dataclass(slots=True)
+class Distributed:
+    """A lab notebook as distributed (``notebooks/NAME``), read once for the class."""
+    name: str
+    checks: list[Check]
+    stubs: dict[str, set[str]]    # per exercise, the stub lines before its check cell
+    code: list[str]               # its code cells (what a student's own cells may do too)
+    nb: object
+
+    @classmethod
+    def read(cls, path: Path) -> "Distributed":
+        nb = load(path)
+        checks = read_checks(nb)
+        stubs: dict[str, set[str]] = {c.exercise: set() for c in checks}
+        pending: set[str] = set()
+        order = iter(checks)
+        for cell in nb.cells:
+            if is_check_cell(cell):
+                stubs[next(order).exercise] = pending
+                pending = set()
+            elif cell.cell_type == "code":
+                pending |= {ln.strip() for ln in cell.source.splitlines() if ln.strip().startswith(STUB_PREFIX)}
+        return cls(path.name, checks, stubs, [c.source for c in nb.cells if c.cell_type == "code"], nb)
+
+    @property
+    def exercises(self) -> list[str]:
+        return [c.exercise for c in self.checks]
+
+    @property
+    def graders(self) -> set[str]:
+        return {c.name for c in self.checks} | {c.grader.split(":")[1] for c in self.checks}
 
 
-def _hint(text: str) -> str:
-    """The first lines of a message, as plain text: a student's exception may carry ANSI
-    colour codes or control characters, which no report should pass on."""
-    text = CONTROL.sub("", ANSI.sub("", text))
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    hint = " ".join(lines[:HINT_LINES])
-    return hint if len(hint) <= HINT_CHARS else hint[:HINT_CHARS - 1] + "…"
+def one_line(text: str, limit: int = HINT_CHARS, lines: int = HINT_LINES) -> str:
+    """The first lines of a message as one plain line: a student's exception may carry ANSI
+    colour codes, control characters or line breaks, which no report should pass on."""
+    text = CONTROL.sub(" ", ANSI.sub("", text))
+    kept = [line.strip() for line in text.splitlines() if line.strip()]
+    hint = re.sub(r"\s+", " ", " ".join(kept[:lines]))
+    return hint if len(hint) <= limit else hint[:limit - 1] + "…"
 
 
 def _said(error: tuple[str, str]) -> str:
     """An error as the student should read it: the grader's message, else 'Name: message'."""
     name, message = error
-    return _hint(message) if name == "AssertionError" and message.strip() else _hint(f"{name}: {message}")
+    return one_line(message) if name == "AssertionError" and message.strip() else one_line(f"{name}: {message}")
 
 
-def _stub_lines(distributed, ids: list[str]) -> dict[str, set[str]]:
-    """Per exercise, the stub lines the student notebook was given before its check cell."""
-    stubs: dict[str, set[str]] = {i: set() for i in ids}
-    checks = iter(ids)
-    current: set[str] = set()
-    for cell in distributed.cells:
-        if is_check_cell(cell):
-            stubs[next(checks)] = current
-            current = set()
-        elif cell.cell_type == "code":
-            current |= {line.strip() for line in cell.source.splitlines() if line.strip().startswith(STUB_PREFIX)}
-    return stubs
+@dataclass(slots=True)
+class _Place:
+    """Where an exercise is graded in the submission, and what its check cell became."""
+    check: Check
+    at: int                       # the submission's cell the answer cell stands for (or precedes)
+    cells: list[Cell]             # the cells that stand for the check in the run
+    plan: dict
 
 
-def grade(sub: Submission, notebooks: Path, submissions: Path, timeout: float,
-          env: dict[str, str] | None = None) -> Row:
-    """The gradebook row of ``sub``; ``notebooks`` holds the distributed notebooks."""
+def _plan(check: Check, seed: str) -> dict:
+    """The inputs a code answer runs on, drawn for this submission (same file, same plan)."""
+    make = getattr(check.function(), "plan", None)
+    if not callable(make):
+        return {}
+    digest = hashlib.sha256(f"{check.exercise}\0{seed}".encode()).digest()
+    return make(random.Random(int.from_bytes(digest[:8], "big")))
+
+
+def _places(row: Row, submitted, lab: Distributed, seed: str) -> tuple[dict[str, _Place], set[int], list[int]]:
+    """Where each exercise is graded (module docstring, step 2), the check cells not to run
+    (earlier copies), and the extra check cells; flags and notes go to ``row``."""
+    matches, extra = match_check_cells(submitted, lab.nb)
+    positions = [i for i, c in enumerate(submitted.cells) if is_check_cell(c)]
+    paired = {m.found for m in matches if m.found is not None}
+    places: dict[str, _Place] = {}
+    skipped: set[int] = set()
+    for check, m in zip(lab.checks, matches):
+        copies = [i for i in positions if i not in paired and i not in extra
+                  and submitted.cells[i].source.lstrip("\n").splitlines()[0].strip() == m.title]
+        found = [i for i in ([m.found] if m.found is not None else []) + copies]
+        if not found:
+            continue
+        at = max(found)
+        skipped |= set(found) - {at}
+        edit = compare(submitted.cells[at].source, check)
+        where = f"check cell {check.exercise}"
+        if edit.kind == "call":
+            row.flags.append(f"edited {where}: its grader call was changed (graded with the answers it passes)")
+        elif edit.kind == "removed":
+            row.flags.append(f"edited {where}: its grader call was removed (graded with the distributed one)")
+        elif edit.kind == "unreadable":
+            row.flags.append(f"edited {where}: not valid Python (graded with the distributed one)")
+        elif edit.kind == "added":
+            row.notes.append(f"{where} holds code of the student's: it ran just before the check")
+        plan = _plan(check, seed)
+        cells = [Cell(at, edit.prelude)] if edit.prelude.strip() else []
+        cells.append(Cell(at, answer_cell(check, *((edit.args, edit.kwargs) if edit.kind == "call" else ()), plan=plan),
+                          check.exercise))
+        places[check.exercise] = _Place(check, at, cells, plan)
+    for k, check in enumerate(lab.checks):                        # deleted: graded where it was
+        if check.exercise in places:
+            continue
+        later = [places[c.exercise].at for c in lab.checks[k + 1:] if c.exercise in places]
+        at = min(later) - 0.5 if later else len(submitted.cells)
+        row.flags.append(f"check cell {check.exercise} deleted (graded where it was)")
+        plan = _plan(check, seed)
+        places[check.exercise] = _Place(check, at, [Cell(int(at), answer_cell(check, plan=plan), check.exercise)],
+                                        plan)
+    return places, skipped, extra
+
+
+def grade(sub: Submission, lab: Distributed, submissions: Path, timeout: float, *, box: Sandbox,
+          guard: Guard, job: int = 0, workroot: Path | None = None) -> Row:
+    """The gradebook row of ``sub``, graded against ``lab`` in ``box``."""
     start = time.monotonic()
-    row = Row(sub.student, sub.notebook, str(sub.path.relative_to(submissions)) if sub.path else "")
+    row = Row(sub.student, sub.notebook, str(sub.path.relative_to(submissions)) if sub.path else "",
+              sandbox=box.kind)
     if not sub.known:
         row.flags.append(sub.problem)
         return row
-    distributed = read(notebooks / sub.notebook)
-    ids = exercise_ids(distributed)
-    row.results = [Result(i, NOT_RUN, points(i)) for i in ids]
+    row.results = [Result(e, NOT_RUN, points(e)) for e in lab.exercises]
     if sub.renamed:
         row.notes.append(f"graded as {sub.notebook}: {sub.renamed} holds its check cells")
+    if sub.ignored:
+        row.notes.append(f"ignored older files of this notebook: {', '.join(sub.ignored)}")
     if sub.path is None:
         row.notes.append("missing: not handed in")
         return row
     try:
-        submitted = read(sub.path)
-        for cell in submitted.cells:           # what it stored is not graded; only its code runs
-            if cell.get("cell_type") == "code":
-                cell.outputs, cell.execution_count = [], None
-        nbformat.validate(submitted, relax_add_props=True)
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError,
-            nbformat.ValidationError) as e:
-        row.notes.append(f"corrupt: not a readable notebook ({type(e).__name__}: {_hint(str(e))[:120]})")
+        submitted = load(sub.path)
+    except Unreadable as e:
+        row.notes.append(f"corrupt: {one_line(str(e), 200)}")
         return row
 
-    matches, extra = match_check_cells(submitted, distributed)
-    checks = {m.found for m in matches if m.found is not None}
-    for exercise, m in zip(ids, matches):
-        if m.found is None:
-            row.flags.append(f"check cell {exercise} deleted")
-        else:
-            if m.edited:
-                row.flags.append(f"edited check cell {exercise} (graded with the distributed one)")
-            cell = submitted.cells[m.found]
-            submitted.cells[m.found] = nbformat.v4.new_code_cell(m.source, id=cell.get("id") or None)
+    seed = "\0".join(c.source for c in submitted.cells if c.cell_type == "code")
+    places, skipped, extra = _places(row, submitted, lab, seed)
     row.flags += [f"cell {i + 1}: a check cell that is not the lab's" for i in extra]
-    mine = [(i, c.source) for i, c in enumerate(submitted.cells) if c.cell_type == "code" and i not in checks]
-    theirs = [c.source for c in distributed.cells if c.cell_type == "code" and not is_check_cell(c)]
-    for use in forbidden(mine, theirs):
-        row.flags.append(f"cell {use.cell + 1} {use.how} {_hint(use.what)}")
+    answer_at = {p.at: p for p in places.values()}
+    cells: list[Cell] = []
+    for index, cell in enumerate(submitted.cells):
+        for place in sorted((p for p in places.values() if index - 1 < p.at < index), key=lambda p: p.at):
+            cells += place.cells                                 # a deleted check, graded where it was
+        if cell.cell_type != "code" or not cell.source.strip() or index in skipped:
+            continue
+        cells += answer_at[index].cells if index in answer_at else [Cell(index, cell.source)]
+    cells += [c for p in places.values() if p.at >= len(submitted.cells) for c in p.cells]
 
-    workdir = Path(tempfile.mkdtemp(prefix="labkit-grade-"))
+    mine = [(c.index, c.source) for c in cells if c.exercise is None]
+    row.flags += [one_line(u.text()) for u in forbidden(mine, lab.code, lab.graders)]
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"{job}-", dir=workroot))
     try:
-        nbformat.write(submitted, workdir / sub.notebook)
-        run = run_notebook(submitted, workdir, timeout, env=env)
+        env = kernel_env(box.plan) if box.kind != "none" else kernel_env(box.plan, home=str(workdir / "home"))
+        if box.kind == "none":
+            (workdir / "home").mkdir()
+        run = run_cells(cells, box, workdir, timeout, guard=guard, job=job, env=env)
     except Exception as e:   # noqa: BLE001 - a kernel that cannot start: this row says so, the run goes on
-        row.notes.append(f"could not run: {type(e).__name__}: {_hint(str(e))}")
+        row.notes.append(f"could not run: {type(e).__name__}: {one_line(str(e))}")
         return row
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    _verdicts(row, submitted, matches, _stub_lines(distributed, ids), run, timeout)
+    _verdicts(row, cells, places, lab, run, timeout)
     row.seconds = round(time.monotonic() - start, 1)
     return row
 
 
-def _verdicts(row: Row, nb, matches, stubs: dict[str, set[str]], run: Execution, timeout: float) -> None:
-    """Fill ``row`` from what ran."""
-    checks = sorted(m.found for m in matches if m.found is not None)
+def _verdicts(row: Row, cells: list[Cell], places: dict[str, _Place], lab: Distributed, run: Execution,
+              timeout: float) -> None:
+    """Fill ``row`` from what ran and what the answer cells handed in."""
+    slot = {c.exercise: k for k, c in enumerate(cells) if c.exercise}
+    answers = sorted(slot.values())
     explained: set[int] = set()
-    for result, m in zip(row.results, matches):
-        if m.found is None:
-            result.status, result.hint = FAIL, "its check cell was deleted"
-            continue
-        before = max((c for c in checks if c < m.found), default=-1)
-        region = [i for i in range(before + 1, m.found) if i in run.cells]
-        check = run.cells.get(m.found)
-        if check is None or (m.found == run.stopped_at and not check.timed_out):
+    for result in row.results:
+        k = slot[result.exercise]
+        place = places[result.exercise]
+        start = max((a for a in answers if a < k), default=-1) + 1
+        region = [j for j in range(start, k) if cells[j].exercise is None]   # the exercise's own cells
+        answer = run.cells.get(k)
+        if answer is None or (k == run.stopped_at and not answer.timed_out):
             continue                                          # NOT_RUN: the run stopped before it
-        if check.error is None:
+        if answer.timed_out:
+            result.status, result.hint = FAIL, f"cell {answer.index + 1} ran past the {timeout:g} s timeout"
+            continue
+        verdict = judge(place.check, run.answers.get(result.exercise, []), place.plan)
+        row.flags += [one_line(f"check {result.exercise}: {s}") for s in verdict.seen]
+        stub_left = any(line.strip() in lab.stubs[result.exercise] for j in region
+                        for line in cells[j].source.splitlines())
+        raised = [run.cells[j] for j in region if j in run.cells and run.cells[j].error]
+        not_implemented = any(r.error[0] == "NotImplementedError" for r in raised)
+        if verdict.status == JUDGED_PASS:
             result.status = PASS
-            continue
-        stub_left = any(line.strip() in stubs[result.exercise]
-                        for i in range(before + 1, m.found) if nb.cells[i].cell_type == "code"
-                        for line in nb.cells[i].source.splitlines())
-        raised = [run.cells[i] for i in region if run.cells[i].error]
-        # Not attempted: a stub raised, in its own cell (a value) or inside the check (a function
-        # the grader called, which graders report as "still raises NotImplementedError").
-        if any(r.error[0] == "NotImplementedError" for r in [*raised, check]) or (
-                stub_left and "NotImplementedError" in check.error[1]):
+        elif verdict.status == UNANSWERED and (stub_left or not_implemented):
             result.status = NOT_ATTEMPTED
-            continue
-        result.status = FAIL
-        late = [r for r in [*raised, check] if r.timed_out]
-        if late:
-            result.hint = f"cell {late[0].index + 1} ran past the {timeout:g} s timeout"
-        elif check.error[0] == "NameError" and raised:
-            result.hint = f"cell {raised[-1].index + 1} raised {_said(raised[-1].error)}"
-            explained.add(raised[-1].index)                   # said here, not again in the notes
+        elif verdict.status == UNANSWERED:
+            result.status = FAIL
+            late = [r for r in raised if r.timed_out]
+            if late:
+                result.hint = f"cell {late[0].index + 1} ran past the {timeout:g} s timeout"
+            elif raised:
+                result.hint = f"cell {raised[-1].index + 1} raised {_said(raised[-1].error)}"
+                explained.add(raised[-1].index)               # said here, not again in the notes
+            else:
+                result.hint = f"not answered: {one_line(verdict.hint)}"
+        elif (stub_left or not_implemented) and "NotImplementedError" in verdict.hint:
+            result.status = NOT_ATTEMPTED
         else:
-            result.hint = _said(check.error)
-    for cell in run.cells.values():
+            result.status, result.hint = FAIL, one_line(verdict.hint)
+    for k, cell in run.cells.items():
         if cell.timed_out:
             row.flags.append(f"cell {cell.index + 1} ran past the {timeout:g} s timeout")
-        elif cell.error and cell.index not in explained and cell.index not in checks \
-                and cell.error[0] != "NotImplementedError" and cell.index != run.stopped_at:
+        elif cell.error and cell.index not in explained and cell.exercise is None \
+                and cell.error[0] != "NotImplementedError" and k != run.stopped_at:
             row.notes.append(f"cell {cell.index + 1} raised {_said(cell.error)}")
-    if run.stopped:
+    if run.limit:
+        row.flags.append(f"stopped: it {run.limit}")
+    elif run.stopped:
         row.notes.append(run.stopped)
-

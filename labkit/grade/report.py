@@ -3,10 +3,15 @@ and plain lines on the terminal ending in a per-exercise summary (what the class
 
 CSV columns: ``student, notebook, file, points, max_points``, one column per exercise (``pass``,
 ``fail: <the grader's hint>``, ``not attempted``, ``not run``, or empty when the exercise is not
-in that row's notebook), then ``flags`` (integrity: edited or deleted check cells, graders'
-internals used, cells past the timeout, unknown notebooks) and ``notes`` (what kept a notebook
-from being graded in full: missing, corrupt, a kernel that died, a cell that raised), each a
-``; ``-separated list.
+in that row's notebook), then ``flags`` (integrity: edited or deleted check cells, what reached
+for the grading machinery, limits hit, unknown notebooks), ``notes`` (what kept a notebook from
+being graded in full: missing, corrupt, a kernel that died, a cell that raised; older files
+ignored), each a ``; ``-separated list on one line, and ``sandbox`` (how its kernel was
+isolated: ``bwrap``, ``unshare``, or ``none``).
+
+Every cell is one line of plain text, and one that a spreadsheet would read as a formula
+(starting with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return: a student named
+``=HYPERLINK(...)``) is written with a leading ``'``, as OWASP advises.
 """
 
 from __future__ import annotations
@@ -19,10 +24,19 @@ from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
-from .notebook import FAIL, NOT_ATTEMPTED, NOT_RUN, PASS, Result, Row
+from .notebook import FAIL, NOT_ATTEMPTED, NOT_RUN, PASS, Result, Row, one_line
 from .run import Gradebook
 
 STATUSES = (PASS, FAIL, NOT_ATTEMPTED, NOT_RUN)
+FORMULA = ("=", "+", "-", "@", "\t", "\r")
+
+
+def safe(value: object) -> object:
+    """A CSV cell: numbers as they are, text on one line and never read as a formula."""
+    if not isinstance(value, str):
+        return value
+    text = one_line(value, limit=4000, lines=1000)
+    return "'" + text if text.startswith(FORMULA) else text
 
 
 def cell_text(result: Result | None) -> str:
@@ -39,12 +53,13 @@ def csv_text(book: Gradebook) -> str:
     """The gradebook as CSV text (one row per student and notebook)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["student", "notebook", "file", "points", "max_points", *book.exercises, "flags", "notes"])
+    writer.writerow(["student", "notebook", "file", "points", "max_points", *book.exercises, "flags", "notes",
+                     "sandbox"])
     for row in book.rows:
         results = _by_exercise(row)
-        writer.writerow([row.student, row.notebook, row.file, row.points, row.max_points,
-                         *(cell_text(results.get(e)) for e in book.exercises),
-                         "; ".join(row.flags), "; ".join(row.notes)])
+        writer.writerow([safe(v) for v in (row.student, row.notebook, row.file, row.points, row.max_points,
+                                           *(cell_text(results.get(e)) for e in book.exercises),
+                                           "; ".join(row.flags), "; ".join(row.notes), row.sandbox)])
     return out.getvalue()
 
 
@@ -108,7 +123,8 @@ def summary_text(book: Gradebook, colour: bool = False) -> str:
         lines += ["", f"not graded in full ({len(incomplete)}):"]
         lines += [f"  {r.student} {r.notebook}: {'; '.join(r.notes)}" for r in incomplete]
     lines += ["", f"{_count(book)} graded in {book.seconds:.0f} s "
-                  f"({book.jobs} at a time)"]
+                  f"({book.jobs} at a time), sandbox: {book.sandbox}"]
+    lines += [_paint(f"WARNING: {w}", "1;31", colour) for w in book.warnings]
     return "\n".join(lines)
 
 
@@ -135,7 +151,8 @@ def html_text(book: Gradebook, title: str = "labkit gradebook") -> str:
     parts = [f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>"
              f"<style>{_CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
              f"<p>{_count(book)}, graded in "
-             f"{book.seconds:.0f} s ({book.jobs} at a time).</p>", "<h2>Per exercise</h2><table><tr>"
+             f"{book.seconds:.0f} s ({book.jobs} at a time); sandbox: {e(book.sandbox)}.</p>",
+             *(f"<p class='flag'>WARNING: {e(w)}</p>" for w in book.warnings), "<h2>Per exercise</h2><table><tr>"
              "<th>exercise</th><th>points</th><th>passed</th><th>failed</th><th>not attempted</th>"
              "<th>not run</th><th>most frequent hint</th></tr>"]
     for s in summary(book):
@@ -173,11 +190,7 @@ def _per_student(book: Gradebook) -> list[str]:
     notebooks = sorted({r.notebook for r in book.rows if r.max_points})
     if len(notebooks) < 2:
         return []
-    best: dict[tuple[str, str], Row] = {}
-    for row in book.rows:                      # two files of one notebook: the better one counts here
-        key = (row.student, row.notebook)
-        if row.max_points and (key not in best or row.points > best[key].points):
-            best[key] = row
+    best = {(row.student, row.notebook): row for row in book.rows if row.max_points}   # one row each (collect)
     out = ["<h2>Per student</h2><table><tr><th>student</th>"
            + "".join(f"<th>{e(n)}</th>" for n in notebooks) + "<th>total</th></tr>"]
     for student in sorted({r.student for r in book.rows}):

@@ -24,6 +24,7 @@ from .detokenizer import IncrementalDetokenizer
 from .request import Request, Sequence, Status
 from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, StepRecord, held_slot_fill, kv_cache_usage
+from .stop_strings import StopMatcher
 
 
 @dataclass(slots=True)
@@ -74,6 +75,7 @@ class Engine:
         self._detok: dict[int, IncrementalDetokenizer] = {}   # seq_id -> its text so far
         self.deltas: dict[int, str] = {}                      # seq_id -> text gained last step
         self._shown: dict[int, int] = {}                      # seq_id -> chars already in deltas
+        self._stops: dict[int, StopMatcher] = {}              # seq_id -> its place in its stop strings
 
     @property
     def now(self) -> float:
@@ -89,12 +91,13 @@ class Engine:
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    prompt: str | None = None) -> Request:
+                    prompt: str | None = None, cache_salt: str | None = None) -> Request:
         """Queue a request; it joins the batch at the next iteration with room for it.
         ``BeamSearchParams`` make it a beam-search request (its beams are its sequences).
+        ``cache_salt``: its prefix-cache namespace (vLLM's; ``Request``).
         Raises ``ValueError`` (changing nothing) if it can never be served: bad sampling
-        parameters, token ids outside the vocabulary, a prompt too long for the model or
-        the KV cache."""
+        parameters, a grammar that does not compile, token ids outside the vocabulary, a
+        prompt too long for the model or the KV cache."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"expected SamplingParams or BeamSearchParams, got {type(params).__name__}")
@@ -110,10 +113,12 @@ class Engine:
         if isinstance(params, SamplingParams) and params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"SamplingParams.logit_bias: token {max(params.logit_bias)} is outside the "
                              f"vocabulary [0, {vocab})")
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            _check_grammar(self.executor, params)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         request = Request(request_id, prompt_token_ids, params,
-                          self.now if arrival_time is None else arrival_time, prompt=prompt)
+                          self.now if arrival_time is None else arrival_time, prompt=prompt, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         return request
 
@@ -177,12 +182,11 @@ class Engine:
         detok = self._detok.get(seq.seq_id)
         if detok is None:
             detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
-        before = len(detok.text)
         detok.add(seq.output_token_ids[len(detok.token_ids):])
         params = seq.request.params
-        if not params.stop or seq.num_output_tokens < params.min_tokens:
+        if not params.stop:
             return False
-        return self._cut_at_stop(detok, before, params.stop)
+        return self._cut_at_stop(seq, detok, seq.num_output_tokens >= params.min_tokens)
 
     def _collect_deltas(self, plan: SchedulerOutput) -> None:
         """``deltas``: the text each sampled sequence gained in this iteration. Text that
@@ -191,7 +195,6 @@ class Engine:
         self.deltas.clear()
         for item in plan.scheduled:
             seqs = item.seq.request.seqs
-            stops = item.seq.request.params.stop
             for index in item.sample_indices:
                 detok = self._detok.get(seqs[index].seq_id) if index < len(seqs) else None
                 if detok is None:
@@ -199,20 +202,30 @@ class Engine:
                 seq = seqs[index]
                 shown = self._shown.get(seq.seq_id, 0)
                 end = len(detok.text)
-                if stops and seq.status is not Status.FINISHED:
-                    end -= _stop_prefix_len(detok.text, stops)
+                if seq.status is not Status.FINISHED:
+                    end -= self._stop_prefix_len(seq)
                 self.deltas[seq.seq_id] = detok.text[shown:end]
                 self._shown[seq.seq_id] = max(shown, end)
 
-    @staticmethod
-    def _cut_at_stop(detok: IncrementalDetokenizer, before: int, stops: list[str]) -> bool:
-        # A new match must end in the new text: search from len(stop) - 1 chars before it.
-        start = max(0, before - max(len(s) for s in stops) + 1)
-        hits = [i for i in (detok.text.find(s, start) for s in stops) if i >= 0]
-        if not hits:
+    def _cut_at_stop(self, seq: Sequence, detok: IncrementalDetokenizer, armed: bool) -> bool:
+        """Feed ``seq``'s new text to its stop-string automaton (``labkit/stop_strings.py``:
+        a cost per character that does not grow with the number of stop strings); if a stop
+        string ends in it, cut the text where that string begins. ``armed=False`` (fewer
+        than ``min_tokens`` tokens yet): follow the text, stop at nothing."""
+        matcher = self._stops.get(seq.seq_id)
+        if matcher is None:
+            matcher = self._stops[seq.seq_id] = StopMatcher(seq.request.params.stop)
+        cut = matcher.feed(detok.text, armed)
+        if cut is None:
             return False
-        detok.text = detok.text[:min(hits)]
+        detok.text = detok.text[:cut]
         return True
+
+    def _stop_prefix_len(self, seq: Sequence) -> int:
+        """Length of the longest tail of ``seq``'s text that could still become a stop
+        string (0 without stop strings): its automaton's depth, O(1)."""
+        matcher = self._stops.get(seq.seq_id)
+        return matcher.pending if matcher is not None else 0
 
     def text_of(self, seq: Sequence) -> str:
         """The detokenized output of ``seq`` so far (stop strings cut away)."""
@@ -225,11 +238,12 @@ class Engine:
             self._detok.pop(seq.seq_id, None)
             self.deltas.pop(seq.seq_id, None)
             self._shown.pop(seq.seq_id, None)
+            self._stops.pop(seq.seq_id, None)
 
     @property
     def num_tracked_sequences(self) -> int:
         """Sequences whose text the engine still keeps (0 once every request was released)."""
-        return len(self._detok.keys() | self._shown.keys())
+        return len(self._detok.keys() | self._shown.keys() | self._stops.keys())
 
     # ---- numbers for notebooks and benchmarks --------------------------------------
     def stats(self) -> dict:
@@ -255,6 +269,16 @@ class Engine:
         }
 
 
+def _check_grammar(executor: Executor, params: SamplingParams) -> None:
+    """Compile a request's grammar for the model's vocabulary now (cached per spec), so a
+    grammar that cannot serve is refused at ``add_request``: ``ValueError``."""
+    grammars = getattr(executor, "grammars", None)
+    if grammars is None:
+        raise ValueError(f"SamplingParams.structured_outputs: {type(executor).__name__} cannot constrain "
+                         "its tokens (the simulator samples dummy tokens): serve a model")
+    grammars.check(params.structured_outputs)
+
+
 def _record_logprobs(plan: SchedulerOutput, result: ExecuteResult) -> None:
     """Append the iteration's logprobs to the sequences that gained those tokens in
     ``update`` (and the prompt's to its request). A sequence that did not gain its token
@@ -274,14 +298,3 @@ def _record_logprobs(plan: SchedulerOutput, result: ExecuteResult) -> None:
                 continue
             seq.logprobs.append(entry)
             seq.cumulative_logprob += entry[seq.token_ids[-1]].logprob
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best

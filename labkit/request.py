@@ -99,16 +99,22 @@ class Request:
     many as the beam step keeps candidates, set by the scheduler), and holds its search state in ``beam_search`` (set by the scheduler).
     Its live beams are the ``seqs`` not finished; beams that died stay there, finished.
 
+    ``cache_salt`` (vLLM's): the prefix-cache namespace of the request's block tables. Its
+    prompt reuses, and publishes, cached blocks only among requests with the same salt
+    (None: the shared namespace), so a salt nobody else knows keeps its prompt private.
+
     Times are in the engine's clock (wall seconds for the real model, simulated seconds
     for the simulator); None until the event happens.
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_time", "seqs",
                  "first_scheduled_time", "first_token_time", "finished_time", "forked",
-                 "prompt", "error", "prompt_logprobs", "beam", "beam_search")
+                 "prompt", "error", "prompt_logprobs", "beam", "beam_search", "cache_salt")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
-                 arrival_time: float = 0.0, prompt: str | None = None):
+                 arrival_time: float = 0.0, prompt: str | None = None, cache_salt: str | None = None):
+        check_cache_salt(cache_salt)
+        self.cache_salt = cache_salt
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.beam: BeamSearchParams | None = params if isinstance(params, BeamSearchParams) else None
@@ -163,11 +169,41 @@ def is_token_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
+def check_cache_salt(salt) -> None:
+    """A cache salt is None or a non-empty string (vLLM's rule); else ``ValueError``."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string or None, got {salt!r}")
+
+
+def split_prompt(prompt) -> tuple[str | list[int], str | None]:
+    """A prompt as vLLM's offline API takes it, as ``(text or token ids, cache_salt)``: a
+    string, token ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (vLLM's
+    ``TextPrompt``/``TokensPrompt``), the dicts with an optional ``"cache_salt"``. A dict
+    with other keys (multi-modal data, say) raises ``ValueError`` naming them."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+    if unknown:
+        raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids' and an optional 'cache_salt'; "
+                         f"labkit does not support {unknown}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    salt = prompt.get("cache_salt")
+    check_cache_salt(salt)
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"'prompt' in a prompt dict must be a string, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"], salt
+    return prompt["prompt_token_ids"], salt
+
+
 def encode_prompt(prompt, tokenizer) -> tuple[str | None, list[int]]:
     """A prompt as (its text or None, its token ids): text is tokenized with the special
     tokens, as Hugging Face's ``generate`` does; token ids are taken as given (the engine
-    checks their range). Anything else (``True`` is not a token id) raises ``ValueError``.
-    ``LLM`` and ``AsyncEngine`` both read prompts with this."""
+    checks their range); a prompt dict (``split_prompt``) gives its text or ids. Anything
+    else (``True`` is not a token id) raises ``ValueError``. ``LLM`` and ``AsyncEngine``
+    both read prompts with this."""
+    prompt, _ = split_prompt(prompt)
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):

@@ -7,7 +7,7 @@ from .allocator import BlockAllocator, CacheEntry, NoFreeBlocksError
 from .beam_tree import Beam, BeamTree
 from .block_table import BlockTable, CopyOnWrite
 from .prefix_cache import (ROOT_HASH, HashPrefixCache, hash_block, hash_full_blocks, hash_prefix,
-                           prefix_cache_policy)
+                           prefix_cache_policy, root_hash)
 from .radix_cache import RadixNode, RadixTree
 from .waste import (ContiguousAllocator, Hole, SeqUsage, Waste, contiguous_waste,
                     live_paged_waste, paged_waste, reservation)
@@ -15,7 +15,7 @@ from .waste import (ContiguousAllocator, Hole, SeqUsage, Waste, contiguous_waste
 __all__ = [
     "Beam", "BeamTree", "BlockAllocator", "BlockTable", "CacheEntry", "CopyOnWrite", "NoFreeBlocksError",
     "ROOT_HASH", "HashPrefixCache", "hash_block", "hash_full_blocks", "hash_prefix", "prefix_cache_policy",
-    "RadixNode", "RadixTree",
+    "root_hash", "RadixNode", "RadixTree",
     "ContiguousAllocator", "Hole", "SeqUsage", "Waste", "contiguous_waste", "live_paged_waste",
     "paged_waste", "reservation",
 ]

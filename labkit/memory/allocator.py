@@ -196,14 +196,15 @@ class BlockAllocator:
         return self.num_filled_slots / used if used else 0.0
 
     # ---- prefix cache ----------------------------------------------------------------
-    def acquire_cached_prefix(self, token_ids, max_tokens: int | None = None) -> list[int]:
+    def acquire_cached_prefix(self, token_ids, max_tokens: int | None = None, salt: str | None = None) -> list[int]:
         """The cached blocks that begin ``token_ids`` (whole blocks within the first
-        ``max_tokens`` tokens), each with one more holder: the caller now holds them.
+        ``max_tokens`` tokens, under ``salt``'s namespace), each with one more holder: the
+        caller now holds them.
         Counted as the hash cache counts: one query per full block looked up, up to the
         first miss. ``[]`` when prefix caching is off."""
         if self._cache is None:
             return []
-        blocks = self._cache.acquire(token_ids, max_tokens)
+        blocks = self._cache.acquire(token_ids, max_tokens, salt)
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
         self.num_cache_queries += len(blocks) + (len(blocks) < limit // self.block_size)
         self.num_cache_hits += len(blocks)

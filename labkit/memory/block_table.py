@@ -31,10 +31,13 @@ class BlockTable:
     """
 
     __slots__ = ("allocator", "block_size", "block_ids", "token_ids", "block_hashes",
-                 "num_published_blocks", "num_cached_tokens", "freed")
+                 "num_published_blocks", "num_cached_tokens", "freed", "salt")
 
-    def __init__(self, allocator: BlockAllocator):
+    def __init__(self, allocator: BlockAllocator, salt: str | None = None):
         self.allocator = allocator
+        # The prefix cache's namespace (vLLM's ``cache_salt``): this table reuses and
+        # publishes cached blocks only among tables with the same salt (None: the shared one).
+        self.salt = salt
         self.block_size = allocator.block_size
         self.block_ids: list[int] = []
         self.token_ids: list[int] = []      # the tokens that have a slot, in order
@@ -89,7 +92,7 @@ class BlockTable:
         cache = self.allocator.prefix_cache
         if cache is None:
             return 0
-        blocks = self.allocator.acquire_cached_prefix(token_ids, max_tokens)
+        blocks = self.allocator.acquire_cached_prefix(token_ids, max_tokens, self.salt)
         self.block_ids = blocks
         self.token_ids = list(token_ids[:len(blocks) * self.block_size])
         cache.reused(self)
@@ -100,7 +103,7 @@ class BlockTable:
         """The cached blocks ``reuse_cached_prefix`` would take, without taking anything.
         (The scheduler uses it to count what admitting a request would cost.)"""
         cache = self.allocator.prefix_cache
-        return [] if cache is None else cache.match(token_ids, max_tokens)
+        return [] if cache is None else cache.match(token_ids, max_tokens, self.salt)
 
     # ---- growth ------------------------------------------------------------------
     def append_tokens(self, token_ids: Iterable[int], computed: bool = True) -> list[CopyOnWrite]:
@@ -194,7 +197,7 @@ class BlockTable:
             # Blocks reserved ahead of the tokens would be shared empty, and copy-on-write
             # only guards the block being filled: both tables would write the next ones.
             raise ValueError("cannot fork a table holding reserved blocks ahead of its tokens")
-        child = BlockTable(self.allocator)
+        child = BlockTable(self.allocator, self.salt)
         for block_id in self.block_ids:
             self.allocator.incref(block_id)
         child.block_ids = list(self.block_ids)
@@ -214,7 +217,7 @@ class BlockTable:
         its full blocks to ``dst``'s prefix cache only once they hold KV there
         (``cache_computed_blocks``)."""
         self._check_live()
-        new = BlockTable(dst)
+        new = BlockTable(dst, self.salt)
         pairs: list[CopyOnWrite] = []
         for src in self.block_ids:
             to = moved.get(src)

@@ -7,6 +7,12 @@ hold different KV. The hash of block ``i`` therefore chains over the hash of blo
     h_0 = H(ROOT_HASH, tokens_0),   h_i = H(h_{i-1}, tokens_i)
 
 Equal hashes mean equal prefixes (up to the hash's collision odds, 2^-128 with BLAKE2b-128).
+
+A *salt* (vLLM's ``cache_salt``) starts a chain somewhere else: a salted prompt's first
+block hangs off ``root_hash(salt)`` instead of ``ROOT_HASH``, so every block of the chain
+hashes differently, and two requests share cached blocks only if they carry the same salt
+(or none). A server with API keys salts each request with its key, so one student can
+never hit, and time, another student's cached prompt.
 The allocator also compares the block's tokens and parent hash on every hit, so two
 different blocks whose own hashes collide never share KV. A collision between two
 *ancestors'* hashes is not caught (the parent is known by its hash only): there the chain
@@ -26,6 +32,15 @@ if TYPE_CHECKING:   # type hints only: the allocator imports this module
     from .block_table import BlockTable
 
 ROOT_HASH = 0
+
+
+def root_hash(salt: str | None = None) -> int:
+    """The parent hash of a prompt's first block: ``ROOT_HASH`` without a salt, else 128
+    bits of BLAKE2b over the salt (personalised, so no block hash can equal it by design)."""
+    if salt is None:
+        return ROOT_HASH
+    h = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"labkit-salt")
+    return int.from_bytes(h.digest(), "little")
 
 # The values ``enable_prefix_caching`` takes, and the policy each means.
 POLICIES = {False: None, None: None, "none": None, True: "hash", "hash": "hash", "radix": "radix"}
@@ -60,14 +75,14 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def hash_full_blocks(token_ids: Sequence[int], block_size: int,
-                     max_tokens: int | None = None) -> Iterator[tuple[int, int, tuple[int, ...]]]:
+def hash_full_blocks(token_ids: Sequence[int], block_size: int, max_tokens: int | None = None,
+                     salt: str | None = None) -> Iterator[tuple[int, int, tuple[int, ...]]]:
     """Walk the chain: yield ``(hash, parent hash, tokens)`` of each full block within the
-    first ``max_tokens`` tokens (all of them when None), in order. A partial tail is not
-    hashed: only full blocks are ever shared. Lazy, so a lookup that misses at block ``i``
-    hashes no further."""
+    first ``max_tokens`` tokens (all of them when None), in order, starting from
+    ``root_hash(salt)``. A partial tail is not hashed: only full blocks are ever shared.
+    Lazy, so a lookup that misses at block ``i`` hashes no further."""
     limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-    parent = ROOT_HASH
+    parent = root_hash(salt)
     for start in range(0, limit - block_size + 1, block_size):
         block = tuple(token_ids[start:start + block_size])
         block_hash = hash_block(parent, block)
@@ -75,9 +90,9 @@ def hash_full_blocks(token_ids: Sequence[int], block_size: int,
         parent = block_hash
 
 
-def hash_prefix(token_ids: Sequence[int], block_size: int) -> list[int]:
+def hash_prefix(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
     """The chained hashes of every full block of ``token_ids`` (a partial tail is not hashed)."""
-    return [block_hash for block_hash, _, _ in hash_full_blocks(token_ids, block_size)]
+    return [block_hash for block_hash, _, _ in hash_full_blocks(token_ids, block_size, salt=salt)]
 
 
 class HashPrefixCache:
@@ -110,19 +125,20 @@ class HashPrefixCache:
             return None   # a hash collision: never share KV on the hash alone
         return block_id
 
-    def match(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
-        """The cached blocks of the prompt's hash chain, up to the first miss. Changes nothing."""
+    def match(self, token_ids: Sequence[int], max_tokens: int | None = None, salt: str | None = None) -> list[int]:
+        """The cached blocks of the prompt's hash chain (from ``root_hash(salt)``), up to
+        the first miss. Changes nothing."""
         hits = []
-        for block_hash, parent, block in hash_full_blocks(token_ids, self.block_size, max_tokens):
+        for block_hash, parent, block in hash_full_blocks(token_ids, self.block_size, max_tokens, salt):
             block_id = self.peek(block_hash, parent, block)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
-    def acquire(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
+    def acquire(self, token_ids: Sequence[int], max_tokens: int | None = None, salt: str | None = None) -> list[int]:
         """``match``, and every block found gains a holder."""
-        blocks = self.match(token_ids, max_tokens)
+        blocks = self.match(token_ids, max_tokens, salt)
         for block_id in blocks:
             self._alloc.hold_cached(block_id)
         return blocks
@@ -134,12 +150,12 @@ class HashPrefixCache:
     # ---- publication ------------------------------------------------------------------
     def publish(self, table: BlockTable, num_computed_tokens: int) -> None:
         """File every full block within the first ``num_computed_tokens`` tokens of
-        ``table`` under its chained hash, in order (a block already filed elsewhere under
-        the same hash stays private: the first one wins)."""
+        ``table`` under its chained hash (from ``root_hash(table.salt)``), in order (a block
+        already filed elsewhere under the same hash stays private: the first one wins)."""
         bs = self.block_size
         for b in range(len(table.block_hashes), num_computed_tokens // bs):
             block = tuple(table.token_ids[b * bs:(b + 1) * bs])
-            parent = table.block_hashes[b - 1] if b else ROOT_HASH
+            parent = table.block_hashes[b - 1] if b else root_hash(table.salt)
             block_hash = hash_block(parent, block)
             table.block_hashes.append(block_hash)
             self._alloc.register(table.block_ids[b], block_hash, parent, block)

@@ -46,6 +46,11 @@ Invariants the tree keeps with its allocator (``check`` asserts them):
 
 Nodes split, never merge (as in SGLang); a leaf that the same sequences extend grows in
 place instead of gaining a one-block child, so a long decode stays one node.
+
+Salts (vLLM's ``cache_salt``; a server with API keys salts each request with its key): each
+salt has a tree of its own, under a root of its own, and a table walks and publishes only
+in its salt's tree (``BlockTable.salt``). ``root`` is the tree of unsalted requests; a salt's
+root is made when its first block is published and dropped when its last one is evicted.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .prefix_cache import ROOT_HASH, CacheEntry, hash_block
+from .prefix_cache import CacheEntry, hash_block, root_hash
 
 if TYPE_CHECKING:   # memory knows its allocator; the import is for type hints only
     from .allocator import BlockAllocator
@@ -77,6 +82,7 @@ class RadixNode:
     hit_count: int = 0
     last_access: int = 0
     id: int = 0                 # creation order: a stable name, and the LRU's tie-break
+    salt: str | None = None     # a root's namespace (vLLM's cache_salt); None on other nodes
 
     @property
     def is_leaf(self) -> bool:
@@ -103,6 +109,7 @@ class RadixTree:
         self._refs = allocator._ref_counts          # shared list: the allocator's counts
         self.block_size = allocator.block_size
         self.root = RadixNode((), [], None)
+        self._roots: dict[str | None, RadixNode] = {None: self.root}   # one tree per salt
         self._node_of: dict[int, RadixNode] = {}     # block id -> the node holding it
         self._num_unreferenced = 0                   # cached blocks with reference count 0
         # (last_access, id, push number, leaf): candidate victims, stale entries skipped on pop.
@@ -119,8 +126,9 @@ class RadixTree:
         return self._refs[node.block_ids[-1]] if node.block_ids else 0
 
     def nodes(self) -> Iterator[RadixNode]:
-        """Every node, root first, in pre-order (children in insertion order)."""
-        stack = [self.root]
+        """Every node, root first, in pre-order (children in insertion order); then each
+        salt's tree the same way."""
+        stack = list(reversed(self._roots.values()))
         while stack:
             node = stack.pop()
             yield node
@@ -156,31 +164,36 @@ class RadixTree:
         path = self._path_tokens(node)
         bs = self.block_size
         end = len(path) - len(node.token_ids) + (node.block_ids.index(block_id) + 1) * bs
-        parent = ROOT_HASH
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        parent = root_hash(top.salt)
         for start in range(0, end - bs, bs):
             parent = hash_block(parent, path[start:start + bs])
         block = tuple(path[end - bs:end])
         return CacheEntry(hash_block(parent, block), parent, block)
 
-    def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> tuple[int, list[int]]:
+    def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None,
+                     salt: str | None = None) -> tuple[int, list[int]]:
         """``(num_tokens, block_ids)``: the longest cached whole-block prefix of ``token_ids``
-        (within the first ``max_tokens`` tokens). Changes nothing."""
-        blocks = self.match(token_ids, max_tokens)
+        (within the first ``max_tokens`` tokens, in ``salt``'s tree). Changes nothing."""
+        blocks = self.match(token_ids, max_tokens, salt)
         return len(blocks) * self.block_size, blocks
 
     # ---- the policy interface the allocator and block tables use ------------------------
-    def match(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
-        """The blocks of the longest cached whole-block prefix. Changes nothing."""
+    def match(self, token_ids: Sequence[int], max_tokens: int | None = None, salt: str | None = None) -> list[int]:
+        """The blocks of the longest cached whole-block prefix (in ``salt``'s tree). Changes nothing."""
         blocks: list[int] = []
-        for node, k in self._walk(token_ids, max_tokens):
+        for node, k in self._walk(token_ids, max_tokens, salt):
             blocks += node.block_ids[:k]
         return blocks
 
-    def acquire(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
-        """Take the longest cached prefix for a new sequence: every matched block gains a
-        holder (the allocator's count), matched nodes are touched and counted as hits. A
-        match ending inside a node splits it, so that the sequence holds whole nodes."""
-        path = self._walk(token_ids, max_tokens)
+    def acquire(self, token_ids: Sequence[int], max_tokens: int | None = None, salt: str | None = None) -> list[int]:
+        """Take the longest cached prefix for a new sequence (in ``salt``'s tree): every
+        matched block gains a holder (the allocator's count), matched nodes are touched and
+        counted as hits. A match ending inside a node splits it, so that the sequence holds
+        whole nodes."""
+        path = self._walk(token_ids, max_tokens, salt)
         if not path:
             return []
         self._clock += 1
@@ -212,7 +225,9 @@ class RadixTree:
             return
         self._clock += 1
         tokens, ids, alloc = table.token_ids, table.block_ids, self._alloc
-        node, i = self.root, 0
+        node, i = self._roots.get(table.salt), 0
+        if node is None:                           # the salt's first block: its tree begins
+            node = self._roots[table.salt] = RadixNode((), [], None, id=self._new_id(), salt=table.salt)
         while i < upto:
             child = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
             if child is None:
@@ -247,7 +262,7 @@ class RadixTree:
             while end < upto and self._refs[ids[end]] == count:
                 end += 1
             new_blocks, new_tokens = ids[i:end], tuple(tokens[i * bs:end * bs])
-            if node is not self.root and node.is_leaf and self.ref_count(node) == count:
+            if node.parent is not None and node.is_leaf and self.ref_count(node) == count:
                 node.token_ids += new_tokens        # the same holders extend their leaf
                 node.block_ids += new_blocks
             else:
@@ -292,6 +307,8 @@ class RadixTree:
             parent = node.parent
             del parent.children[key]
             node.parent = None
+            if parent.parent is None and parent is not self.root and not parent.children:
+                del self._roots[parent.salt]       # the salt's last cached block is gone
             self._push_if_evictable(parent)
         return block_id
 
@@ -310,8 +327,11 @@ class RadixTree:
     def check(self) -> None:
         """Assert the tree's invariants against the allocator's counts (tests call it)."""
         bs, seen, unreferenced = self.block_size, {}, 0
+        for salt, root in self._roots.items():
+            assert root.parent is None and root.salt == salt, f"{root} is not the root of salt {salt!r}"
+            assert root is self.root or root.children, f"the tree of salt {salt!r} is empty but kept"
         for node in self.nodes():
-            if node is self.root:
+            if node.parent is None:
                 assert not node.block_ids and not node.token_ids
             else:
                 assert node.block_ids, f"{node} is empty"
@@ -319,7 +339,7 @@ class RadixTree:
                 assert node.parent.children.get(node.token_ids[:bs]) is node, f"{node}: wrong key"
                 refs = {self._refs[b] for b in node.block_ids}
                 assert len(refs) == 1, f"{node}: blocks with different reference counts {refs}"
-                assert self.ref_count(node) <= self.ref_count(node.parent) or node.parent is self.root, (
+                assert self.ref_count(node) <= self.ref_count(node.parent) or node.parent.parent is None, (
                     f"{node} is held by more sequences than its parent")
             for child in node.children.values():
                 assert child.parent is node
@@ -336,13 +356,15 @@ class RadixTree:
                 assert id(node) in live, f"evictable {node} is missing from the LRU heap"
 
     # ---- inside ----------------------------------------------------------------------
-    def _walk(self, token_ids: Sequence[int], max_tokens: int | None) -> list[tuple[RadixNode, int]]:
-        """The matched path: ``(node, blocks matched in it)``, only the last one partial."""
+    def _walk(self, token_ids: Sequence[int], max_tokens: int | None,
+              salt: str | None = None) -> list[tuple[RadixNode, int]]:
+        """The matched path in ``salt``'s tree: ``(node, blocks matched in it)``, only the
+        last one partial."""
         bs = self.block_size
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
         limit -= limit % bs
-        path, node, pos = [], self.root, 0
-        while pos < limit:
+        path, node, pos = [], self._roots.get(salt), 0
+        while node is not None and pos < limit:
             child = node.children.get(tuple(token_ids[pos:pos + bs]))
             if child is None:
                 break

@@ -445,8 +445,8 @@ class Scheduler:
         """Admit every waiting beam of one request, or none (returns None, changing nothing
         but prefix-cache recency). As in phase 1, a beam computes its last token only if
         all of them can in this iteration."""
-        hits = [len(BlockTable(self.allocator).peek_cached_prefix(s.token_ids, len(s.token_ids) - 1))
-                * self.block_size for s in group]
+        hits = [len(BlockTable(self.allocator, s.request.cache_salt).peek_cached_prefix(
+                    s.token_ids, len(s.token_ids) - 1)) * self.block_size for s in group]
         last = sum(len(s.token_ids) - h for s, h in zip(group, hits)) <= budget
         plans, left = [], budget
         for seq, h in zip(group, hits):
@@ -492,7 +492,7 @@ class Scheduler:
         """Give the waiting ``seq`` a block table for its first chunk, or return None if
         it does not fit now. Prefix-cache hits cut both the blocks and the tokens to compute."""
         tokens = seq.token_ids
-        table = BlockTable(self.allocator)
+        table = BlockTable(self.allocator, seq.request.cache_salt)
         external = seq.num_external_tokens
         # The last token is always computed: its logits give the next token. A request that
         # wants its prompt's logprobs computes every prompt position (cached KV has no logits).
@@ -784,7 +784,7 @@ class Scheduler:
             if reserve is None:
                 child.block_table = parent.block_table.fork()
             else:
-                child.block_table = BlockTable(self.allocator)
+                child.block_table = BlockTable(self.allocator, parent.request.cache_salt)
                 child.block_table.reserve(reserve)
                 child.block_table.append_tokens(parent.token_ids[:parent.num_computed_tokens], computed=False)
             child.num_computed_tokens = parent.num_computed_tokens

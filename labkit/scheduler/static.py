@@ -86,7 +86,7 @@ class StaticScheduler(Scheduler):
         need = cdiv(reservation, self.block_size) * seq.request.width
         if need + self._promised_blocks() > self.allocator.num_free_blocks:
             return None
-        table = BlockTable(self.allocator)
+        table = BlockTable(self.allocator, seq.request.cache_salt)
         table.reserve(reservation)
         seq.block_table = table
         return len(seq.token_ids), self._grow(seq, len(seq.token_ids))

@@ -26,7 +26,7 @@ VENV        ?= .venv
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.labkit-$(EXTRAS)
 
-.PHONY: lab test setup model browser notebooks grade dist bench-sim clean help
+.PHONY: lab test setup model browser sandbox notebooks grade dist bench-sim clean help
 .PHONY: vllm-venv gpu-check
 
 help:
@@ -40,7 +40,7 @@ lab: setup model
 	  --LabApp.default_url=/lab/tree/00_setup_and_tour.ipynb \
 	  $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_OPTS)
 
-test: setup model browser
+test: setup model browser sandbox
 	$(BIN)/python -m pytest
 
 setup: $(STAMP)
@@ -85,20 +85,32 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium not found and cannot be installed here: browser tests will be skipped"; fi; }
 
+# Bubblewrap, the sandbox each submitted notebook is graded in (Debian's package; docs/grading.md).
+# Without it grading uses util-linux's unshare, or says loudly that it runs unsandboxed.
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+	  else echo "bwrap not found and cannot be installed here: grading will use unshare, or no sandbox"; fi; }
+
 # Regenerate the student notebooks from the solutions (the single source).
 notebooks: setup
 	$(BIN)/python -m labkit.notebooks generate
 
-# Grade a class into a gradebook (docs/grading.md):
+# Grade a class into a gradebook, each notebook in a sandbox of its own (docs/grading.md):
 #   make grade DIR=submissions/ [GRADES=grades.csv] [REPORT=report.html] [JOBS=N] [CELL_TIMEOUT=300]
-# (JOBS: notebooks at a time; default the number of cores, up to 4)
+#              [SANDBOX=auto|bwrap|unshare|none] [MEMORY=MiB]
+# (JOBS: notebooks at a time; default the number of cores, up to 4. MEMORY: per notebook, default 4096)
 GRADES       ?= grades.csv
 REPORT       ?= report.html
 JOBS         ?=
 CELL_TIMEOUT ?= 300
-grade: setup
-	@test -n "$(DIR)" || { echo "usage: make grade DIR=submissions/ [GRADES=grades.csv] [REPORT=report.html] [JOBS=N] [CELL_TIMEOUT=S]" >&2; exit 2; }
-	$(BIN)/python -m labkit.grade "$(DIR)" --out "$(GRADES)" --html "$(REPORT)" $(if $(JOBS),--jobs $(JOBS)) --timeout $(CELL_TIMEOUT)
+SANDBOX      ?= auto
+MEMORY       ?=
+grade: setup sandbox
+	@test -n "$(DIR)" || { echo "usage: make grade DIR=submissions/ [GRADES=grades.csv] [REPORT=report.html] [JOBS=N] [CELL_TIMEOUT=S] [SANDBOX=auto|bwrap|unshare|none] [MEMORY=MiB]" >&2; exit 2; }
+	$(BIN)/python -m labkit.grade "$(DIR)" --out "$(GRADES)" --html "$(REPORT)" $(if $(JOBS),--jobs $(JOBS)) \
+	  --timeout $(CELL_TIMEOUT) --sandbox $(SANDBOX) $(if $(MEMORY),--memory $(MEMORY))
 
 # vLLM's CPU build in its own venv, for `python -m labkit.bench serve --engines labkit,hf-static,vllm`
 # (it finds .venv-vllm; elsewhere give --vllm-python PATH; docs/benchmarks.md). Its CUDA builds of torchvision,

@@ -17,18 +17,20 @@ cell), ``judge`` (the verdict, outside the kernel), ``run`` (the class), ``repor
 terminal).
 
 This package's attributes load lazily: a kernel that imports ``labkit.grade.probe`` loads
-that module alone, not the grading machinery.
+that module and ``collect`` (which shares its function's name), not the grading machinery.
 """
 
 import importlib
 
+from .collect import Submission, collect
+
 _EXPORTS = {
     "grade_class": "run", "Gradebook": "run", "Row": "notebook", "Result": "notebook",
     "PASS": "notebook", "FAIL": "notebook", "NOT_ATTEMPTED": "notebook", "NOT_RUN": "notebook",
-    "Submission": "collect", "collect": "collect", "csv_text": "report", "html_text": "report",
+    "csv_text": "report", "html_text": "report",
     "summary": "report", "Limits": "sandbox",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "Submission", "collect"])
 
 
 def __getattr__(name: str):

@@ -9,8 +9,9 @@ and calls it once on the exercise's answers::
 ``read_checks`` turns each into a ``Check``: the exercise, the grader (``module:function``,
 resolved through the notebook's own imports, which may sit in an earlier cell), and the source
 of each argument. In the sandboxed run the check cell is replaced by an *answer cell*
-(``answer_cell``) that evaluates those arguments in the student's kernel and hands them out as
-plain data (``probe.hand_in``); the grader runs outside the kernel (``judge``).
+(``answer``) whose request has the kernel evaluate those arguments in the student's namespace
+and hand them out as plain data (``probe.hand_in``); the grader runs outside the kernel
+(``judge``).
 
 ``compare`` says what a student's copy of a check cell changed, statement by statement
 (comments and layout never count):
@@ -167,17 +168,18 @@ def _only_graders(statement: ast.stmt) -> bool:
     return all(a.name.startswith("labkit.exercises") for a in statement.names)
 
 
-def answer_cell(check: Check, args: tuple[str, ...] | None = None,
-                kwargs: tuple[tuple[str, str], ...] | None = None, plan: dict | None = None) -> str:
-    """The code that stands for ``check``'s cell in the sandboxed run: it hands the answers
-    (``args``/``kwargs``: the check's own unless given) to ``probe.hand_in``, which emits them
-    as plain data for the grader outside the kernel."""
+def answer(check: Check, args: tuple[str, ...] | None = None,
+           kwargs: tuple[tuple[str, str], ...] | None = None, plan: dict | None = None) -> tuple[str, str]:
+    """What stands for ``check``'s cell in the sandboxed run: a cell that runs nothing, and the
+    expression its execute request asks the kernel to evaluate afterwards (``user_expressions``,
+    which IPython evaluates without its input or AST transformers). The expression hands the
+    answers (``args``/``kwargs``: the check's own unless given) to ``probe.hand_in``, whose
+    return value, plain data as JSON text, comes back in the kernel's reply."""
     args = check.args if args is None else args
     kwargs = check.kwargs if kwargs is None else kwargs
     positional = "".join(f"{a}, " for a in args)
     keywords = ", ".join(f"{json.dumps(k)}: {v}" for k, v in kwargs)
-    return (f"# CHECK exercise {check.exercise}: its answers go to the grader, outside this kernel\n"
-            f"__import__('labkit.grade.probe', fromlist=['hand_in']).hand_in(\n"
-            f"    {json.dumps(check.exercise)}, {json.dumps(check.grader)},\n"
-            f"    lambda: (({positional}), {{{keywords}}}),\n"
-            f"    {json.dumps(plan or {})})\n")
+    expression = (f"__import__('labkit.grade.probe', fromlist=['hand_in']).hand_in("
+                  f"{json.dumps(check.exercise)}, {json.dumps(check.grader)}, "
+                  f"lambda: (({positional}), {{{keywords}}}), {json.dumps(plan or {})})")
+    return f"# CHECK exercise {check.exercise}: its answers go to the grader, outside this kernel", expression

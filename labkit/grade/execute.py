@@ -8,13 +8,15 @@ The kernel is ipykernel, started by ``sandbox.Sandbox.command``: its sockets are
 in its connection folder (``transport="ipc"``: a sandbox has no network, so no TCP between the
 grader and the kernel), interrupts are sent as messages (a signal would reach the sandbox's
 launcher, not the kernel), and no message larger than ``MAX_MESSAGE`` is accepted from it. The
-outputs of ordinary cells are counted (``guard`` stops a notebook that prints too much) and
-dropped; an answer cell's answers (``probe.MIME``) are kept for the judge.
+outputs are counted (``guard`` stops a notebook that prints too much) and dropped. An answer
+cell runs nothing itself: its execute request carries the expression that hands its answers in
+(``user_expressions``, evaluated by IPython with ``eval``, past any input or AST transformer a
+notebook installed), and the value comes back in the reply, for the judge.
 """
 
 from __future__ import annotations
 
-import os
+import ast
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
 from .guard import Guard, Watch
-from .probe import MIME
+from .probe import MAX_BYTES
 from .sandbox import Sandbox
 
 #: The error name a cell that ran past the timeout is recorded with.
@@ -40,10 +42,11 @@ MAX_MESSAGE = 16 << 20
 @dataclass(slots=True)
 class Cell:
     """One cell of the run: its position in the submitted notebook (``index``), its code, and
-    for an answer cell the exercise it hands in."""
+    for an answer cell the exercise it hands in and the expression that hands it in."""
     index: int
     source: str
     exercise: str | None = None
+    expression: str | None = None
 
 
 @dataclass(slots=True)
@@ -96,12 +99,10 @@ class SandboxedKernelManager(AsyncKernelManager):
 
 
 class _Quiet(NotebookClient):
-    """A client that keeps no outputs but the answers: verdicts come from the execute replies
-    and the answer cells, and a cell printing in a loop must not fill the grader's memory."""
+    """A client that keeps no outputs (verdicts come from the execute replies, and a cell
+    printing in a loop must not fill the grader's memory), only counts them."""
 
     watch: Watch | None = None
-    answer_cells: dict[int, str] = {}
-    answers: dict[str, list[str]] = {}
 
     def output(self, outs, msg, display_id, cell_index):
         content = msg.get("content", {})
@@ -109,10 +110,22 @@ class _Quiet(NotebookClient):
         size = len(content.get("text") or "") + sum(len(v) if isinstance(v, str) else 64 for v in data.values())
         if self.watch is not None:
             self.watch.printed += size
-        exercise = self.answer_cells.get(cell_index)
-        if exercise is not None and msg.get("msg_type") == "display_data" and isinstance(data.get(MIME), str):
-            self.answers.setdefault(exercise, []).append(data[MIME])
         return None
+
+
+def _answer(reply: dict) -> str | None:
+    """The text an answer cell's expression returned, from its execute reply (None if none)."""
+    said = (reply.get("user_expressions") or {}).get("answer")
+    if not isinstance(said, dict) or said.get("status") != "ok":
+        return None
+    text = (said.get("data") or {}).get("text/plain")
+    if not isinstance(text, str) or len(text) > 2 * MAX_BYTES:
+        return None
+    try:
+        value = ast.literal_eval(text)          # the repr of a str: a literal, nothing to run
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def run_cells(cells: list[Cell], box: Sandbox, workdir: Path, timeout: float, *, guard: Guard, job: int = 0,
@@ -123,25 +136,34 @@ def run_cells(cells: list[Cell], box: Sandbox, workdir: Path, timeout: float, *,
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.source) for c in cells])
     box.prepare(workdir, job)
     km = SandboxedKernelManager(box, workdir, job)
+    cwd = workdir / "home" / "notebook" if box.kind == "none" else workdir     # (a sandbox sets its own)
     client = _Quiet(nb, km=km, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
                     startup_timeout=startup_timeout, record_timing=False,
                     error_on_timeout={"ename": TIMED_OUT, "evalue": f"ran past the {timeout:g} s timeout",
                                       "traceback": []},
-                    resources={"metadata": {"path": str(workdir)}})
-    client.answer_cells = {k: c.exercise for k, c in enumerate(cells) if c.exercise}
-    client.answers = {}
+                    resources={"metadata": {"path": str(cwd)}})
     replies: dict[int, dict] = {}
     client.on_cell_executed = lambda cell, cell_index, execute_reply: replies.__setitem__(
         cell_index, (execute_reply or {}).get("content", {}))
-    run = Execution(answers=client.answers)
+    run = Execution()
     watch = None
+    expression: list[str | None] = [None]       # the current answer cell's, for its execute request
     try:
         # The kernel's own stdout/stderr (not the cells' output, which comes over ZMQ) is its
         # start-up chatter: kept off the grader's terminal.
         with client.setup_kernel(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
             watch = client.watch = guard.watch(km.provisioner.pid, box.limits, workdir / "conn")
+            execute = client.kc.execute
+
+            def with_answer(code, *args, **kwargs):
+                if expression[0] is not None:
+                    kwargs["user_expressions"] = {"answer": expression[0]}
+                return execute(code, *args, **kwargs)
+
+            client.kc.execute = with_answer
             for k, (cell, source) in enumerate(zip(nb.cells, cells)):
                 result = run.cells[k] = CellRun(source.index, exercise=source.exercise)
+                expression[0] = source.expression
                 try:
                     client.execute_cell(cell, k)
                 except DeadKernelError:
@@ -152,6 +174,8 @@ def run_cells(cells: list[Cell], box: Sandbox, workdir: Path, timeout: float, *,
                     run.stopped_at, run.limit = k, watch.reason
                     break
                 reply = replies.pop(k, {})
+                if source.exercise is not None and (text := _answer(reply)) is not None:
+                    run.answers.setdefault(source.exercise, []).append(text)
                 if reply.get("status") == "error":
                     result.error = (str(reply.get("ename", "Error"))[:200], str(reply.get("evalue", ""))[:2000])
                     result.timed_out = result.error[0] == TIMED_OUT
@@ -159,7 +183,7 @@ def run_cells(cells: list[Cell], box: Sandbox, workdir: Path, timeout: float, *,
                     run.stopped = f"stopped in cell {source.index + 1}: it {watch.reason}"
                     run.stopped_at, run.limit = k, watch.reason
                     break
-                if result.timed_out and not _responsive(client, k, replies, grace):
+                if result.timed_out and not _responsive(client, k, replies, grace, expression):
                     run.stopped, run.stopped_at = (f"cell {source.index + 1} ran past the timeout and the kernel "
                                                    "did not stop when interrupted"), k
                     break
@@ -170,9 +194,12 @@ def run_cells(cells: list[Cell], box: Sandbox, workdir: Path, timeout: float, *,
     return run
 
 
-def _responsive(client: NotebookClient, index: int, replies: dict[int, dict], grace: float) -> bool:
+def _responsive(client: NotebookClient, index: int, replies: dict[int, dict], grace: float,
+                expression: list | None = None) -> bool:
     """Whether the kernel, interrupted after a timeout, runs a trivial cell within the grace
     period (code that swallows KeyboardInterrupt keeps it busy: the run must stop then)."""
+    if expression is not None:
+        expression[0] = None
     timeout, client.timeout = client.timeout, grace
     try:
         client.execute_cell(nbformat.v4.new_code_cell("pass"), index)

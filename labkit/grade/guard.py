@@ -1,7 +1,9 @@
 """The limits a sandbox cannot set on itself, watched from outside: one thread for the class.
 
 Every ``PERIOD`` seconds the guard reads ``/proc`` once and, for each kernel it watches, adds
-up what the sandbox's processes hold: resident memory, processes and threads. It also checks
+up what the sandbox's processes hold: memory (proportional set size, so that the pages a forked
+child shares with its parent count once; resident size where that cannot be read), processes
+and threads. It also checks
 the notebook's wall time, what its cells printed (counted by ``execute``) and its connection
 folder (the one host folder a sandbox may write: only the kernel's sockets belong there). A
 kernel over a limit is killed, with every process of its sandbox (SIGKILL to its process
@@ -62,6 +64,18 @@ def _processes() -> dict[int, tuple[int, int, int]]:
         fields = stat[stat.rfind(b")") + 2:].split()      # after "(comm)", which may hold spaces
         table[int(name)] = (int(fields[1]), int(fields[21]) * PAGE, int(fields[17]))
     return table
+
+
+def _memory(pid: int, resident: int) -> int:
+    """``pid``'s proportional set size in bytes (its resident size if that is unreadable)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resident
 
 
 def _tree(root: int, table: dict[int, tuple[int, int, int]]) -> list[int]:
@@ -127,13 +141,14 @@ class Guard:
             w.stop("wrote into its kernel's connection folder")
         elif table is not None:
             pids = _tree(w.pid, table)
-            resident = sum(table[p][1] for p in pids)
             threads = sum(table[p][2] for p in pids)
-            w.peak_mb = max(w.peak_mb, resident / 2**20)
-            if resident > lim.memory_mb << 20:
-                w.stop(f"used more than {lim.memory_mb} MiB of memory")
-            elif threads > lim.processes:
+            if threads > lim.processes:
                 w.stop(f"ran more than {lim.processes} processes and threads")
+                return
+            memory = sum(_memory(p, table[p][1]) for p in pids)
+            w.peak_mb = max(w.peak_mb, memory / 2**20)
+            if memory > lim.memory_mb << 20:
+                w.stop(f"used more than {lim.memory_mb} MiB of memory")
 
     def _loop(self, period: float) -> None:
         while not self._closed.wait(period):

@@ -10,7 +10,8 @@ cell (the lab's own cells, unchanged, are not read):
   ``naive``); a whole grader module; a private module; anything of ``labkit.grade``; a string
   naming either package;
 * **the kernel's machinery**, which a notebook could use to change what its own kernel hands
-  out: IPython's input and AST transformers and event hooks, ``builtins`` and ``__import__``,
+  out: IPython's input and AST transformers, event hooks, user expressions and formatters,
+  ``builtins`` and ``__import__``,
   ``sys.modules`` and the import system, frames, closures and code objects, ``gc``,
   ``ctypes``, ``exec``/``eval``/``compile``;
 * **processes and signals**: ``os.kill``, ``fork``, ``setsid``, ``subprocess``, ``signal``,
@@ -51,6 +52,7 @@ ATTRIBUTES = {
     "register_magic_function", "set_custom_exc", "CustomTB", "showtraceback", "run_cell", "run_ast_nodes",
     "__closure__", "__code__", "__globals__", "__builtins__", "__import__", "__subclasses__", "__loader__",
     "f_back", "f_locals", "f_globals", "f_builtins", "gi_frame", "tb_frame", "co_code", "cell_contents",
+    "__traceback__", "user_expressions", "display_formatter", "for_type", "user_global_ns",
 }
 EVENTS = ("pre_run_cell", "post_run_cell", "pre_execute", "post_execute")
 CALLS = {"exec", "eval", "compile", "__import__", "breakpoint"}

@@ -108,6 +108,7 @@ def build_root(spec: dict) -> None:
             bind("/dev/null", inside(path), readonly=True)
     for path, size_mb, mode in spec["tmpfs"]:
         tmpfs(inside(path), size_mb, mode)
+    os.makedirs(inside(spec["cwd"]), exist_ok=True)
     for path in spec["writable"]:
         bind(path, inside(path), readonly=False)
     for source, target in spec.get("readonly_at", []):

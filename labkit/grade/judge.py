@@ -95,7 +95,7 @@ def judge(check: Check, handed: list[str], plan: dict) -> Verdict:
     seen = [s[:200] for s in payload.get("seen", []) if isinstance(s, str)][:10] \
         if isinstance(payload.get("seen"), list) else []
     verdict = _judge(check, payload, plan)
-    verdict.seen = seen
+    verdict.seen += seen
     return verdict
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..exercises.points import points
 from ..notebooks import STUB_PREFIX, is_check_cell, match_check_cells
-from .checks import Check, answer_cell, compare, read_checks
+from .checks import Check, answer, compare, read_checks
 from .collect import Submission
 from .execute import Cell, Execution, run_cells
 from .formats import Unreadable, load
@@ -171,8 +171,8 @@ def _places(row: Row, submitted, lab: Distributed, seed: str) -> tuple[dict[str,
             row.notes.append(f"{where} holds code of the student's: it ran just before the check")
         plan = _plan(check, seed)
         cells = [Cell(at, edit.prelude)] if edit.prelude.strip() else []
-        cells.append(Cell(at, answer_cell(check, *((edit.args, edit.kwargs) if edit.kind == "call" else ()), plan=plan),
-                          check.exercise))
+        comment, expression = answer(check, *((edit.args, edit.kwargs) if edit.kind == "call" else ()), plan=plan)
+        cells.append(Cell(at, comment, check.exercise, expression))
         places[check.exercise] = _Place(check, at, cells, plan)
     for k, check in enumerate(lab.checks):                        # deleted: graded where it was
         if check.exercise in places:
@@ -181,8 +181,8 @@ def _places(row: Row, submitted, lab: Distributed, seed: str) -> tuple[dict[str,
         at = min(later) - 0.5 if later else len(submitted.cells)
         row.flags.append(f"check cell {check.exercise} deleted (graded where it was)")
         plan = _plan(check, seed)
-        places[check.exercise] = _Place(check, at, [Cell(int(at), answer_cell(check, plan=plan), check.exercise)],
-                                        plan)
+        comment, expression = answer(check, plan=plan)
+        places[check.exercise] = _Place(check, at, [Cell(int(at), comment, check.exercise, expression)], plan)
     return places, skipped, extra
 
 
@@ -217,9 +217,10 @@ def grade(sub: Submission, lab: Distributed, submissions: Path, timeout: float, 
     for index, cell in enumerate(submitted.cells):
         for place in sorted((p for p in places.values() if index - 1 < p.at < index), key=lambda p: p.at):
             cells += place.cells                                 # a deleted check, graded where it was
-        if cell.cell_type != "code" or not cell.source.strip() or index in skipped:
-            continue
-        cells += answer_at[index].cells if index in answer_at else [Cell(index, cell.source)]
+        if index in answer_at:
+            cells += answer_at[index].cells
+        elif cell.cell_type == "code" and cell.source.strip() and index not in skipped:
+            cells.append(Cell(index, cell.source))
     cells += [c for p in places.values() if p.at >= len(submitted.cells) for c in p.cells]
 
     mine = [(c.index, c.source) for c in cells if c.exercise is None]
@@ -229,7 +230,7 @@ def grade(sub: Submission, lab: Distributed, submissions: Path, timeout: float, 
     try:
         env = kernel_env(box.plan) if box.kind != "none" else kernel_env(box.plan, home=str(workdir / "home"))
         if box.kind == "none":
-            (workdir / "home").mkdir()
+            (workdir / "home" / "notebook").mkdir(parents=True)
         run = run_cells(cells, box, workdir, timeout, guard=guard, job=job, env=env)
     except Exception as e:   # noqa: BLE001 - a kernel that cannot start: this row says so, the run goes on
         row.notes.append(f"could not run: {type(e).__name__}: {one_line(str(e))}")

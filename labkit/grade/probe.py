@@ -1,9 +1,11 @@
 """What an answer cell runs in the student's kernel: the answers, handed out as plain data.
 
-In a graded run every check cell is replaced by an answer cell (``checks.answer_cell``) that
-calls ``hand_in``. It evaluates the check's arguments in the student's namespace and emits one
-display output of type ``MIME`` holding JSON (never pickle), read by the grader outside the
-kernel:
+In a graded run every check cell is replaced by an answer cell (``checks.answer``) whose
+execute request asks the kernel to evaluate ``hand_in(...)`` as a user expression: IPython
+evaluates those with ``eval``, past the input and AST transformers a notebook may have
+installed. ``hand_in`` evaluates the check's arguments in the student's namespace and returns
+JSON text (never pickle), which comes back in the kernel's reply and is read by the grader
+outside the kernel:
 
 * a value answer: the grader's ``plain_arguments`` (numbers, strings, lists, dicts; live
   objects such as the engine as the plain facts the grader needs), judged outside by the
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import json
 
-MIME = "text/x-labkit-answer"
 MAX_BYTES = 4 << 20          # an answer (or a code answer's outputs) larger than this is not handed in
 
 
@@ -57,19 +58,19 @@ def observations(module: str | None = None, name: str | None = None) -> list[str
             seen.append(f"sys.modules[{module!r}] is not labkit's module")
         else:
             fn = getattr(loaded, name, None)
-            code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
-            if code is None or not code.co_filename.startswith(home):
+            parts = [getattr(fn, "__wrapped__", fn), *(getattr(fn, a) for a in ("probe", "judge", "plain_arguments")
+                                                       if hasattr(fn, a))]
+            if not all(getattr(getattr(p, "__code__", None), "co_filename", "").startswith(home) for p in parts):
                 seen.append(f"{module}.{name} is not labkit's grader")
     return seen
 
 
-def _emit(payload: dict) -> None:
-    from IPython.display import display
+def _text(payload: dict) -> str:
     text = json.dumps(payload)
     if len(text) > MAX_BYTES:
         text = json.dumps({"exercise": payload.get("exercise"),
                            "error": f"the answer is {len(text) >> 20} MiB of data: too large to hand in"})
-    display({MIME: text}, raw=True)
+    return text
 
 
 def _judged_here(fn, args: tuple, kwargs: dict) -> dict:
@@ -85,9 +86,9 @@ def _judged_here(fn, args: tuple, kwargs: dict) -> dict:
     return {"status": "pass"}
 
 
-def hand_in(exercise: str, grader: str, answers, plan: dict) -> None:
-    """Emit ``exercise``'s answers (``answers()`` -> (args, kwargs)) for ``grader``
-    (``module:function``), as the module docstring says. Never raises: what went wrong is
+def hand_in(exercise: str, grader: str, answers, plan: dict) -> str:
+    """``exercise``'s answers (``answers()`` -> (args, kwargs)) for ``grader``
+    (``module:function``), as JSON text (module docstring). Never raises: what went wrong is
     part of what it hands in."""
     payload: dict = {"exercise": exercise}
     module, name = grader.split(":")
@@ -95,8 +96,7 @@ def hand_in(exercise: str, grader: str, answers, plan: dict) -> None:
         args, kwargs = answers()
     except Exception as e:   # noqa: BLE001 - an answer not defined yet, or a stub that raised
         payload["unanswered"] = f"{type(e).__name__}: {e}"[:1000]
-        _emit(payload)
-        return
+        return _text(payload)
     try:
         import importlib
         fn = getattr(importlib.import_module(module), name)
@@ -112,4 +112,7 @@ def hand_in(exercise: str, grader: str, answers, plan: dict) -> None:
         payload["seen"] = observations(module, name)
     except Exception:   # noqa: BLE001 - observations are a courtesy
         pass
-    _emit(payload)
+    try:
+        return _text(payload)
+    except (TypeError, ValueError) as e:    # a probe's data that is not JSON after all
+        return _text({"exercise": exercise, "error": f"the answer is not plain data ({e})"})

@@ -41,6 +41,7 @@ from pathlib import Path
 
 KINDS = ("bwrap", "unshare", "none")
 HOME = "/home/student"
+WORK = HOME + "/notebook"          # the kernel's working folder (a notebook may empty it: its home stays)
 INSIDE_UID = 1000
 UID_BASE = 1_900_000_000            # far from any real account; one uid per parallel job
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -225,15 +226,15 @@ class Sandbox:
             cmd += ["--ro-bind", self.plan.extension, EXTENSION_INSIDE]
         size = str(self.limits.scratch_mb << 20)
         cmd += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
-                "--size", size, "--tmpfs", HOME, "--size", size, "--tmpfs", "/dev/shm",
-                "--bind", conn, conn, "--chdir", HOME, "--"]
+                "--size", size, "--tmpfs", HOME, "--dir", WORK, "--size", size, "--tmpfs", "/dev/shm",
+                "--bind", conn, conn, "--chdir", WORK, "--"]
         return cmd + argv
 
     def _unshare(self, argv: list[str], workdir: Path, conn: str, env: dict[str, str], job: int) -> list[str]:
         spec = {"root": str(workdir / "root"), "readonly": list(self.plan.readonly),
                 "symlinks": [list(s) for s in self.plan.symlinks], "masked": list(self.plan.masked),
                 "tmpfs": [["/tmp", self.limits.scratch_mb, "1777"], [HOME, self.limits.scratch_mb, "0755"]],
-                "writable": [conn], "shm_mb": self.limits.scratch_mb, "cwd": HOME, "env": env,
+                "writable": [conn], "shm_mb": self.limits.scratch_mb, "cwd": WORK, "env": env,
                 "readonly_at": [[self.plan.extension, EXTENSION_INSIDE]] if self.plan.extension else []}
         (workdir / "root").mkdir(exist_ok=True)
         path = workdir / "jail.json"

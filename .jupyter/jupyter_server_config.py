@@ -11,8 +11,19 @@ before the student typed anything, and autosave rewrites the file. No stored val
 match every Python, so the contents manager below fills that metadata in as the notebook is
 read, from this server's own ``python3`` kernel: JupyterLab then finds nothing to change.
 The file on disk is untouched until the student saves it.
+
+Kernels start with labkit's OpenMP setting (``GOMP_SPINCOUNT``, ``labkit/openmp.py``) in their
+environment, whatever a notebook imports first: ``import labkit`` below sets it in this
+server's environment (unless the user chose ``OMP_WAIT_POLICY``/``GOMP_SPINCOUNT``), and a
+kernel inherits the environment of the server that starts it.
+
+Kernels talk to the server over ZeroMQ on loopback, encrypted with CurveZMQ keys the server
+provisions where the kernel says it supports them (ipykernel 7 does). Otherwise each kernel
+would warn, in this terminal, that it is "running over TCP without encryption", on every
+notebook opened.
 """
 
+import labkit  # noqa: F401  (sets GOMP_SPINCOUNT for the kernels: see above)
 from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
 
 
@@ -40,3 +51,14 @@ class KernelMatchingContentsManager(AsyncLargeFileManager):
 
 
 c.ServerApp.contents_manager_class = KernelMatchingContentsManager  # noqa: F821 (traitlets' config object)
+
+
+def _curve_available() -> bool:
+    """Whether this jupyter_server can provision CurveZMQ keys (2.18+) and pyzmq can use them."""
+    import zmq
+    from jupyter_server.services.kernels.kernelmanager import MappingKernelManager
+    return zmq.has("curve") and "transport_encryption" in MappingKernelManager.class_traits()
+
+
+if _curve_available():
+    c.MappingKernelManager.transport_encryption = "auto"  # noqa: F821

@@ -1,13 +1,19 @@
-"""labkit's C++ CPU kernels, compiled on this machine the first time they are needed.
+"""labkit's C++ CPU kernels, compiled once on this machine, at setup.
 
 Production CPU engines (vLLM's CPU build, IPEX) run attention in hand-written C++; so does
 labkit's ``cpu`` backend when it can. The sources are in ``kernels/csrc/``; torch's
 extension builder (``torch.utils.cpp_extension.load``) compiles them with this machine's
 C++ compiler, for this machine's CPU (``-march=native``: AVX-512 where there is AVX-512),
-into ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``). That takes about half a
-minute, once; later processes load the cached build in milliseconds. The build is named
-after a hash of the sources, the flags, torch's version and the CPU's feature flags, so an
-edit, an upgrade or another machine kind gets its own build, never a stale one.
+into ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``), where every later
+process, notebook kernel and test run loads the build in well under a second.
+
+``make setup`` (so ``make lab`` and ``make test``) compiles them, with ``python -m labkit
+kernels``, so that no notebook cell waits on a compiler. Compiling takes ~2 min of CPU time:
+about :data:`COMPILE_TIME` on 2 idle cores, several times that on a busy machine; a
+progress line counts the seconds meanwhile (:class:`labkit.utils.Stopwatch`). Where setup
+did not run (Colab, a wheel), the first use compiles them the same way, once. The build is
+named after a hash of the sources, the flags, torch's version and the CPU's feature flags,
+so an edit, an upgrade or another machine kind gets its own build, never a stale one.
 
 The kernels run on torch's own OpenMP thread pool (``at::parallel_for``), the pool its
 matrix multiplies use: one pool for the whole forward pass.
@@ -35,8 +41,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "bindings.cpp"))
+from labkit.utils import Stopwatch
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "bindings.cpp"))
+# Measured: python -m labkit kernels on an empty cache, 2 cores (docs/benchmarks.md). Said
+# before compiling, so that a first run is not mistaken for a hang.
+COMPILE_TIME = "about 1 min on 2 idle cores, up to 6 on a busy machine"
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -63,10 +74,30 @@ def build_name() -> str:
     """The build's name: changes with the sources, flags, torch version and CPU features."""
     import torch
     h = hashlib.sha256()
-    for src in SOURCES:
-        h.update(src.read_bytes())
+    for src in _source_files():
+        h.update(src.name.encode() + src.read_bytes())
     h.update(" ".join(_cflags()).encode() + torch.__version__.encode() + _cpu_flags().encode())
     return "labkit_cpu_" + h.hexdigest()[:12]
+
+
+def _source_files() -> list[Path]:
+    """Every file the build reads from ``csrc/``: the compiled sources and the headers they include."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h", ".hpp"))
+
+
+def _stage_sources(build_dir: Path) -> list[str]:
+    """The sources, copied into the build directory (rewritten only when their content
+    differs), and the copies' paths. ninja decides what to recompile from the paths and
+    modification times of what it compiles: built from these copies, a build compiled once
+    is up to date for every checkout of the same sources (a fresh clone, CI's, an installed
+    wheel) and stays so when a file is touched without being changed."""
+    staged = build_dir / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for src in _source_files():
+        copy, data = staged / src.name, src.read_bytes()
+        if not copy.exists() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return [str(staged / src.name) for src in SOURCES]
 
 
 def _why_not() -> str | None:
@@ -95,7 +126,11 @@ def _build_lock(build_dir: Path):
         yield
         return
     with open(build_dir.with_name(build_dir.name + ".labkit-lock"), "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # waits while another process builds; freed if it dies
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:        # another process is building: wait, saying so
+            with Stopwatch("labkit: waiting for another process compiling the C++ CPU kernels"):
+                fcntl.flock(f, fcntl.LOCK_EX)  # freed when it finishes, or dies
         try:
             clear_stale_lock(build_dir)
             yield
@@ -125,22 +160,41 @@ def load(verbose: bool = False) -> ModuleType | None:
         _reason = _why_not()
         if _reason is not None:
             return None
-        from torch.utils.cpp_extension import _get_build_directory, load as build
+        from torch.utils.cpp_extension import load as build
         name = build_name()
-        build_dir = Path(_get_build_directory(name, verbose=False))
+        build_dir = build_directory(name)
         try:
             with _build_lock(build_dir):
-                if not any(build_dir.glob(f"{name}*.so")):
-                    print("labkit: compiling its C++ CPU kernels for this machine "
-                          "(once; about 30 s)...", file=sys.stderr, flush=True)
-                _module = build(name, [str(s) for s in SOURCES], extra_cflags=_cflags(),
-                                extra_ldflags=["-fopenmp"], verbose=verbose)
+                sources = _stage_sources(build_dir)
+
+                def compile_or_load():
+                    return build(name, sources, extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+                                 verbose=verbose)
+                if is_built(name):
+                    _module = compile_or_load()
+                else:
+                    print(f"labkit: compiling its C++ CPU kernels for this CPU, once ({COMPILE_TIME}); "
+                          "`make setup` does this ahead of time", file=sys.stderr, flush=True)
+                    with Stopwatch("labkit: compiling the C++ CPU kernels"):
+                        _module = compile_or_load()
         except Exception as e:  # a compiler without OpenMP, a broken toolchain...
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             _reason = f"compiling failed ({first[:200]})"
             print(f"labkit: C++ CPU kernels unavailable, using the Numba kernel: {_reason}",
                   file=sys.stderr, flush=True)
         return _module
+
+
+def build_directory(name: str | None = None) -> Path:
+    """Where the build named ``name`` (default: this machine's, :func:`build_name`) lives."""
+    from torch.utils.cpp_extension import _get_build_directory
+    return Path(_get_build_directory(name or build_name(), verbose=False))
+
+
+def is_built(name: str | None = None) -> bool:
+    """Whether this machine's build is compiled already (loading it then compiles nothing)."""
+    name = name or build_name()
+    return any(build_directory(name).glob(f"{name}*.so"))
 
 
 def status() -> tuple[bool, str]:

@@ -7,6 +7,8 @@
 
     # a class: one key per student, on the room's network (docs/classroom.md)
     python -m labkit serve --host 0.0.0.0 --api-keys-file keys.txt --max-tokens-limit 256
+
+    python -m labkit kernels     # compile the C++ CPU kernels for this machine now (make setup does)
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .server.limits import DEFAULT_MAX_BODY_BYTES
+# Parsing and --help import nothing heavy (no torch, no server): they answer at once. So the
+# two values below are written out; tests check them against labkit.kernels.BACKENDS and
+# labkit.server.limits.DEFAULT_MAX_BODY_BYTES.
+BACKENDS = ("auto", "torch", "triton", "cpu")
+DEFAULT_MAX_BODY_MIB = 1
 
 _CLASS_HELP = """\
 A server a class shares: give each student a key (keys file: 'name:key' per line) and listen
@@ -33,13 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
     s.add_argument("--port", type=int, default=8000, help="port (0: any free one; the address is printed)")
     e = s.add_argument_group("engine")
-    e.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from a memory budget)")
+    e.add_argument("--num-blocks", type=int, default=None,
+                   help="KV cache blocks (default: what max-num-seqs sequences of the full context can use, "
+                        "within a quarter of the free memory; the banner says which)")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     e.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one iteration")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one iteration")
     e.add_argument("--max-model-len", type=int, default=None, help="most tokens per sequence (prompt + output)")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    e.add_argument("--attention-backend", default="auto", choices=_backends(),
+    e.add_argument("--attention-backend", default="auto", choices=BACKENDS,
                    help="auto (default): Triton on a GPU of compute capability 8.0+, the CPU kernels on a CPU")
     e.add_argument("--dtype", default="float32", help="float32 (default), float16, bfloat16")
     e.add_argument("--max-waiting", type=int, default=256,
@@ -65,8 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
                    help="most tokens one request may ask for (a larger max_tokens gets 400; chat requests "
                         "without max_tokens get N). Default: the model's context")
-    f.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
-                   help=f"largest request body (413 beyond; default {DEFAULT_MAX_BODY_BYTES})")
+    f.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_MIB << 20, metavar="BYTES",
+                   help=f"largest request body (413 beyond; default {DEFAULT_MAX_BODY_MIB << 20}, "
+                        f"{DEFAULT_MAX_BODY_MIB} MiB)")
     f.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="seconds a connection may take to send a request head (slowloris; default 10)")
     f.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
@@ -77,12 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="most open connections (503 beyond; default: no bound)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sub.add_parser("kernels", help="compile the C++ CPU kernels for this machine now, once (make setup does)",
+                   description="Compile labkit's C++ CPU kernels for this machine, unless they are built "
+                               "already, and say what the CPU backend will run. make setup runs this, so "
+                               "that no notebook cell waits on a compiler.")
     return parser
-
-
-def _backends() -> tuple[str, ...]:
-    from .kernels.backend import BACKENDS
-    return BACKENDS
 
 
 def _access(args) -> tuple:
@@ -105,9 +113,21 @@ def _access(args) -> tuple:
     return keys, limits
 
 
+def build_kernels() -> int:
+    """``python -m labkit kernels``: the CPU extension compiled (or found compiled) here.
+    Exits 0 also where it cannot be built: the CPU backend then runs its Numba kernel."""
+    from .kernels import cpu_extension
+    ok, sentence = cpu_extension.status()
+    where = f", in {cpu_extension.build_directory()}" if ok else "; the CPU backend uses its Numba kernel"
+    print(f"labkit: {sentence}{where}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "kernels":
+        return build_kernels()
     if args.command != "serve":
         parser.print_help()
         return 2

@@ -23,9 +23,11 @@ import torch
 from .engine import Engine
 from .executor import ModelExecutor
 from .memory import BlockAllocator, prefix_cache_policy
-from .model.kv_cache import DEFAULT_KV_BUDGET_BYTES, kv_bytes_per_token
+from .model.kv_cache import device_memory, plan_kv_cache, size_text
+from .model.llama import ModelSpec
 from .model.loader import load_model
 from .model.runner import ModelRunner
+from .openmp import warn_if_too_late
 from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput, error_output, request_output
 from .request import Request, encode_prompt, is_token_id
 from .sampling_params import BeamSearchParams, SamplingParams
@@ -41,7 +43,10 @@ class LLM:
     """A small, real LLM server in one object: paged KV cache, continuous batching.
 
     Memory: give ``num_blocks`` (KV blocks of ``block_size`` tokens), or a byte budget
-    ``kv_cache_memory`` (default 2 GiB); asking for more than the machine has is an error.
+    ``kv_cache_memory``; asking for more than the machine has free is an error. By default
+    the cache holds what ``max_num_seqs`` sequences of the full context can use, within a
+    share of the free memory (``labkit.model.kv_cache.plan_kv_cache``); the load line says
+    which rule chose the size.
     ``policy="static"`` runs the static-batching baseline on the same model instead.
     When memory runs out, a running sequence is preempted: ``preemption_mode="recompute"``
     drops its KV and prefills it again later; ``"swap"`` copies its blocks to a host pool of
@@ -83,15 +88,16 @@ class LLM:
         if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         loaded = load_model(model, dtype=torch_dtype, device=device)
-        # Check the KV cache fits before allocating it: more memory than exists is an error.
-        per_block = kv_bytes_per_token(loaded.config, torch_dtype) * block_size
-        planned = num_blocks * per_block if num_blocks else (kv_cache_memory or DEFAULT_KV_BUDGET_BYTES)
-        _check_kv_fits(planned, device)
-        self.runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks,
-                                  kv_budget_bytes=kv_cache_memory, attention_backend=attention_backend,
-                                  dtype=torch_dtype, device=device, num_threads=num_threads)
+        # Size the KV cache before allocating it, with the weights already in memory.
+        context = ModelSpec.from_config(loaded.config).max_position
+        self.max_model_len = min(max_model_len or context, context)
+        self.kv_plan = plan_kv_cache(loaded.config, torch_dtype, block_size, max_num_seqs=max_num_seqs,
+                                     max_model_len=self.max_model_len, num_blocks=num_blocks,
+                                     kv_cache_memory=kv_cache_memory, device=device)
+        self.runner = ModelRunner(loaded, block_size=block_size, num_blocks=self.kv_plan.num_blocks,
+                                  attention_backend=attention_backend, dtype=torch_dtype, device=device,
+                                  num_threads=num_threads)
         self.tokenizer = self.runner.tokenizer
-        self.max_model_len = min(max_model_len or self.runner.max_model_len, self.runner.max_model_len)
         allocator = BlockAllocator(self.runner.num_blocks, block_size, enable_prefix_caching)
         host_blocks = 0
         if preemption_mode == "swap" and policy == "continuous":   # static never preempts
@@ -105,10 +111,22 @@ class LLM:
         host_cache = self.runner.kv_cache.host_pool(host_blocks) if host_blocks else None
         self.engine = Engine(scheduler, ModelExecutor(self.runner, host_cache), tokenizer=self.tokenizer)
         self._ids = itertools.count()
-        print(f"labkit: {self.runner.name} on {device} ({torch_dtype}), "
-              f"attention backend: {self.runner.attention_backend_reason}; "
-              f"KV cache {self.runner.num_blocks} blocks x {block_size} tokens "
-              f"({self.runner.kv_cache.nbytes / 2**20:.0f} MiB)", file=sys.stderr)
+        print(f"labkit: {self._load_line(device, torch_dtype)}; KV cache {self.runner.num_blocks} blocks x "
+              f"{block_size} tokens ({size_text(self.runner.kv_cache.nbytes)}): {self.kv_plan.how}", file=sys.stderr)
+        if self.runner.device.type == "cpu":
+            warn_if_too_late(torch.get_num_threads())
+
+    _said: set[str] = set()   # load lines already printed in this process
+
+    def _load_line(self, device, dtype) -> str:
+        """The model and attention backend, in full the first time a process loads them;
+        the same again (a benchmark's sweep, a notebook's second engine) says "as above"."""
+        what = f"{self.runner.name} on {device} ({str(dtype).removeprefix('torch.')}), attention backend"
+        line = f"{what}: {self.runner.attention_backend_reason}"
+        if line in LLM._said:
+            return f"{what} {self.runner.attention_backend} as above"
+        LLM._said.add(line)
+        return line
 
     # ---- generation ---------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -303,35 +321,9 @@ def _host_blocks(swap_space: float, num_host_blocks: int | None, bytes_per_block
     if blocks < 1:
         raise ValueError(f"swap_space={swap_space} GiB holds no KV block of {bytes_per_block} bytes: "
                          "preemption_mode='swap' needs a host pool (raise swap_space)")
-    available = _available_memory("cpu")
-    if available is not None and blocks * bytes_per_block > available:
+    available = device_memory("cpu")
+    if available is not None and blocks * bytes_per_block > available.nbytes:
         raise ValueError(f"the host pool for swapping would take {blocks * bytes_per_block / 2**30:.2f} GiB "
-                         f"but only {available / 2**30:.2f} GiB of host memory is available; "
+                         f"but only {available.nbytes / 2**30:.2f} GiB of host memory is {available.what}; "
                          "lower swap_space (GiB) or num_host_blocks")
     return blocks
-
-
-def _check_kv_fits(nbytes: int, device) -> None:
-    """Refuse a KV cache larger than the memory the device has free."""
-    available = _available_memory(device)
-    if available is not None and nbytes > available:
-        raise ValueError(f"the KV cache would take {nbytes / 2**30:.2f} GiB but only "
-                         f"{available / 2**30:.2f} GiB of {device} memory is available; "
-                         "ask for fewer num_blocks or a smaller kv_cache_memory")
-
-
-def _available_memory(device) -> int | None:
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-

@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+# Before torch: labkit sets OpenMP's short spin for this process and for every notebook kernel
+# and subprocess the tests start, which inherit it (labkit/openmp.py).
+import labkit  # noqa: F401,E402
+
 # Triton's interpreter must be chosen before any kernel is decorated: decide once, here,
 # before a test module imports labkit.kernels.
 try:

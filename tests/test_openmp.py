@@ -5,6 +5,8 @@ bench serve runs the peers with their own settings."""
 import os
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +62,137 @@ def test_bench_serve_runs_the_peers_with_their_own_openmp_settings(monkeypatch):
         assert "GOMP_SPINCOUNT" not in env and env["LABKIT_GOMP_SPINCOUNT"] == "default"
     monkeypatch.setenv("GOMP_SPINCOUNT", "77")                  # the user's own value goes to everyone
     assert child_env("hf-static")["GOMP_SPINCOUNT"] == "77"
+
+
+# ---- whatever the import order: the lab's kernels, scripts, LLM()'s warning -------------------
+_TWO_ENGINES = ("from labkit import LLM\n"
+                "LLM('tiny-llama', num_blocks=8); LLM('tiny-llama', num_blocks=8)\n")
+
+
+def _script_stderr(code: str, **extra) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY",
+                                                             "LABKIT_GOMP_SPINCOUNT")}
+    env.update({"OMP_NUM_THREADS": "2", **extra})
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GOMP_SPINCOUNT is GNU OpenMP's (Linux)")
+def test_a_script_importing_torch_first_is_told_once_what_to_do():
+    """Too late to fix from inside: LLM() says so once per process, with both remedies."""
+    err = _script_stderr("import torch\n" + _TWO_ENGINES)
+    assert err.count("torch was imported before labkit") == 1, err
+    assert "Import labkit before torch" in err and f"GOMP_SPINCOUNT={DEFAULT_SPIN_COUNT}" in err
+    assert "RuntimeWarning" in err
+
+
+def test_labkit_first_needs_no_warning():
+    assert "torch was imported before labkit" not in _script_stderr("import labkit, torch\n" + _TWO_ENGINES)
+
+
+@pytest.mark.parametrize("env, threads, warns", [
+    ({}, 2, True),
+    ({"LABKIT_GOMP_SPINCOUNT": "default"}, 2, False),     # asked to leave OpenMP alone
+    ({}, 1, False),                                       # one thread: nothing spins
+])
+def test_the_warning_rule(monkeypatch, env, threads, warns):
+    from labkit import openmp
+    monkeypatch.setattr(openmp, "too_late", True)
+    monkeypatch.setattr(openmp, "_warned", False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delenv("LABKIT_GOMP_SPINCOUNT", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert openmp.warn_if_too_late(threads) is warns
+        assert openmp.warn_if_too_late(threads) is False            # once per process
+    assert len(seen) == warns
+    monkeypatch.setattr(openmp, "too_late", False)                 # set in time, or chosen by the user
+    monkeypatch.setattr(openmp, "_warned", False)
+    assert openmp.warn_if_too_late(2) is False
+
+
+def test_import_labkit_records_whether_it_came_too_late():
+    """``too_late`` only when torch was first and nothing was chosen: the case to warn about."""
+    def too_late(**extra) -> str:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "LABKIT_GOMP_SPINCOUNT")}
+        code = "import torch, labkit.openmp as o; print(o.too_late)"
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    assert too_late() == "True"
+    assert too_late(GOMP_SPINCOUNT="1000") == "False" and too_late(OMP_WAIT_POLICY="PASSIVE") == "False"
+
+
+def _execute_in_new_kernel(url: str, token: str, code: str, timeout_s: float = 120.0) -> str:
+    """Start a kernel on a running Jupyter server and run ``code`` in it over the kernel
+    websocket, as a browser does; returns what it printed."""
+    import asyncio
+    import json
+    import time
+    import urllib.request
+    import uuid
+
+    from tornado.websocket import websocket_connect
+
+    request = urllib.request.Request(f"{url}/api/kernels?token={token}", method="POST", data=b"{}",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        kernel_id = json.load(r)["id"]
+
+    async def run() -> str:
+        ws = await websocket_connect(f"{url.replace('http', 'ws', 1)}/api/kernels/{kernel_id}/channels"
+                                     f"?token={token}")
+        msg_id, out = uuid.uuid4().hex, []
+        ws.write_message(json.dumps({
+            "header": {"msg_id": msg_id, "username": "test", "session": uuid.uuid4().hex,
+                       "msg_type": "execute_request", "version": "5.3"},
+            "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+            "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
+                        "allow_stdin": False, "stop_on_error": True}}))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = await asyncio.wait_for(ws.read_message(), deadline - time.monotonic())
+            assert msg is not None, "the kernel websocket closed"
+            msg = json.loads(msg)
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                out.append(content["text"])
+            elif kind == "error":
+                raise AssertionError("\n".join(content["traceback"]))
+            elif kind == "status" and content["execution_state"] == "idle":
+                ws.close()
+                return "".join(out)
+        raise TimeoutError(f"the kernel did not answer within {timeout_s:.0f} s")
+
+    return asyncio.run(run())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GOMP_SPINCOUNT is GNU OpenMP's (Linux)")
+def test_make_labs_kernels_start_with_the_short_spin_and_without_a_terminal_warning(tmp_path, monkeypatch):
+    """``make lab``'s server (``.jupyter/``) imports labkit: a notebook that imports torch
+    first still runs with GOMP_SPINCOUNT set from its first line. Its kernels talk to the
+    server over CurveZMQ, so ipykernel's "running over TCP without encryption" warning, which
+    a student cannot act on, is not in the terminal."""
+    import shutil
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    sys.path.insert(0, str(Path(__file__).parent / "browser"))
+    from lab_server import running_make_lab
+    for var in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "LABKIT_GOMP_SPINCOUNT"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "notebooks").mkdir()
+    with running_make_lab(tmp_path / "notebooks", tmp_path / "home") as (url, token):
+        spin, threads = _execute_in_new_kernel(url, token, _KERNEL_PROBE).split()
+    assert spin == DEFAULT_SPIN_COUNT
+    terminal = (tmp_path / "home" / "make-lab.log").read_text()
+    assert "Kernel started" in terminal, terminal[-3000:]
+    assert "without encryption" not in terminal, terminal[-3000:]
+    warnings = [line for line in terminal.splitlines() if line.startswith("[W ") or "Warning" in line]
+    assert not warnings, warnings          # Jupyter's warnings start with [W; Python's say Warning

@@ -1,7 +1,8 @@
 """``python -m labkit.bench WHAT [options]``: every measurement labkit reports, in one CLI.
 
 ``COMMANDS`` names each benchmark and what it measures; ``python -m labkit.bench`` (or
-``--help``) lists them, ``python -m labkit.bench WHAT --help`` shows one's options.
+``--help``) lists them and exits 0, ``python -m labkit.bench WHAT --help`` shows one's options.
+Listing imports no benchmark (nor torch): it answers at once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ COMMANDS = {
     "kernels": "the paged-attention kernels against a torch baseline (GPU timings need a GPU)",
     "serve": "the real engine against Hugging Face (and vLLM if installed) on one workload",
     "http": "the OpenAI-compatible server under concurrent streaming clients",
+    "costs": "what one request's options (stop strings, logit_bias, logprobs, n, ...) cost each engine iteration",
     "disagg": "prefill/decode interference, chunked prefill and disaggregation (simulated)",
     "step": "one engine iteration (a decode batch, a long prefill) and attention's share of it",
     "swap": "preemption by swapping vs recomputation, by block size (paper's Figure 19)",
@@ -41,8 +43,8 @@ def plain(doc: str | None) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
-        return 0 if argv else 2          # no benchmark named: the help, and a failing status
+        print(usage())                    # the list is what was asked for: a success
+        return 0
     what, rest = argv[0], argv[1:]
     if what not in COMMANDS:
         print(f"unknown benchmark {what!r}; choose from: {', '.join(COMMANDS)}\n"

@@ -10,9 +10,20 @@ copy-on-write copy of a block is a single indexed copy across every layer.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
-DEFAULT_KV_BUDGET_BYTES = 2 << 30  # 2 GiB: ~46k tokens of SmolLM2-135M in fp32
+from ..utils import cdiv
+
+DEFAULT_KV_BUDGET_BYTES = 2 << 30  # ModelRunner's default when given no size (LLM always plans one: plan_kv_cache)
+
+# The share of free memory a default KV cache may take. On a CPU the same memory holds the
+# notebook, the browser and other kernels: a quarter. On a GPU the engine is the tenant, but
+# activations (logits of a 2048-token batch: ~0.4 GB for SmolLM2) need room: 80% of what is
+# free once the weights are loaded.
+KV_MEMORY_FRACTION = {"cpu": 0.25, "cuda": 0.8}
 
 
 def _head_dim(config) -> int:
@@ -32,6 +43,96 @@ def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
 def num_blocks_for_budget(config, block_size: int, budget_bytes: int, dtype: torch.dtype = torch.float32) -> int:
     """How many blocks of ``block_size`` tokens fit in ``budget_bytes``."""
     return int(budget_bytes // (kv_bytes_per_token(config, dtype) * block_size))
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes as people read them: ``'512 KiB'``, ``'16 MiB'``, ``'3.8 GiB'``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}" if unit == "GiB" else f"{nbytes / scale:.0f} {unit}"
+    return f"{nbytes:.0f} bytes"
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceMemory:
+    """Memory a device can give now: ``nbytes``, and ``what`` it is (``"available"``: free
+    now; ``"installed"``: the machine's total, where free memory cannot be read)."""
+
+    nbytes: int
+    what: str = "available"
+
+
+def device_memory(device) -> DeviceMemory | None:
+    """Free memory on ``device``: a GPU's free memory; on a CPU, Linux's MemAvailable (what
+    can be allocated without swapping), else the installed total; None if nothing tells."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return DeviceMemory(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return DeviceMemory(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:  # macOS and other Unixes: the installed total
+        return DeviceMemory(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "installed")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+@dataclass(slots=True, frozen=True)
+class KVPlan:
+    """How many KV blocks an engine gets, and ``how`` that number was chosen (the load
+    banner prints it)."""
+
+    num_blocks: int
+    how: str
+
+
+def plan_kv_cache(config, dtype: torch.dtype, block_size: int, *, max_num_seqs: int, max_model_len: int,
+                  num_blocks: int | None = None, kv_cache_memory: int | None = None, device="cpu",
+                  memory: DeviceMemory | None = None) -> KVPlan:
+    """The KV cache's size: ``num_blocks`` or ``kv_cache_memory`` bytes when given (refused
+    when the device has not that much free), else the default rule:
+
+    * at most what ``max_num_seqs`` sequences of ``max_model_len`` tokens can ever hold
+      (more blocks could never be used at once), and
+    * at most :data:`KV_MEMORY_FRACTION` of the device's free memory (``memory``, probed
+      when None).
+
+    So tiny-llama (512-token context) takes 16 MiB, and SmolLM2 (8192 tokens, 45 KiB per
+    token in fp32: 22.5 GiB for 64 full sequences) takes a quarter of what the machine has free.
+    """
+    per_block = kv_bytes_per_token(config, dtype) * block_size
+    device = torch.device(device)
+    memory = memory if memory is not None else device_memory(device)
+    if num_blocks is not None or kv_cache_memory is not None:
+        blocks = num_blocks if num_blocks is not None else int(kv_cache_memory // per_block)
+        given = f"num_blocks={num_blocks}" if num_blocks is not None else f"kv_cache_memory={size_text(kv_cache_memory)}"
+        if blocks < 1:
+            raise ValueError(f"a KV budget of {kv_cache_memory} bytes holds no block of {block_size} tokens "
+                             f"({per_block} bytes each)")
+        if memory is not None and blocks * per_block > memory.nbytes:
+            raise ValueError(f"the KV cache would take {blocks * per_block / 2**30:.2f} GiB but only "
+                             f"{memory.nbytes / 2**30:.2f} GiB of {device.type} memory is {memory.what}; "
+                             "ask for fewer num_blocks or a smaller kv_cache_memory")
+        return KVPlan(blocks, f"{given}, as given")
+    full = max_num_seqs * cdiv(max_model_len, block_size)
+    full_text = f"{max_num_seqs} sequences x {max_model_len} tokens (max_num_seqs x max_model_len)"
+    fraction = KV_MEMORY_FRACTION.get(device.type, KV_MEMORY_FRACTION["cpu"])
+    if memory is None:
+        return KVPlan(full, f"{full_text}; this machine's free memory cannot be read")
+    share = int(memory.nbytes * fraction // per_block)
+    share_text = f"{fraction:.0%} of the {size_text(memory.nbytes)} of {device.type} memory {memory.what}"
+    if full <= share:
+        return KVPlan(full, f"{full_text}, within {share_text}")
+    if share < 1:
+        raise ValueError(f"{share_text} holds no KV block of {block_size} tokens ({size_text(per_block)}): "
+                         "free some memory, or give num_blocks / kv_cache_memory")
+    return KVPlan(share, f"{share_text}; {full_text} would take {size_text(full * per_block)}. "
+                         "num_blocks= or kv_cache_memory= sets another size")
 
 
 class KVCache:

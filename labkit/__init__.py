@@ -17,10 +17,11 @@ configure_openmp_wait()  # before anything loads torch's OpenMP runtime: see lab
 
 from .outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
+from .structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "StructuredOutputsParams"]
 
 
 def __getattr__(name):

@@ -6,10 +6,12 @@ the sequence's physical blocks, prefill or decode as the scheduler decided), let
 and run one forward over the whole mixed batch, and samples from the logits of the
 sequences whose chunk ends their known tokens (``n`` samples at a fork).
 
-Requests that ask for more pay for it, and only they: ``logit_bias`` and the penalties
-process their rows of logits before sampling; ``logprobs`` reads the raw logits at the
-sampled tokens; ``prompt_logprobs`` makes the runner return the logits of every token of
-their prompt chunks (``SeqChunk.all_logits``). See docs/sampling.md.
+Requests that ask for more pay for it, and only they: ``structured_outputs`` masks their
+rows of logits first (the tokens their grammar forbids get ``-inf``: ``labkit.structured``);
+``logit_bias`` and the penalties process their rows before sampling; ``logprobs`` reads
+the logits at the sampled tokens (raw, or after the grammar's mask); ``prompt_logprobs``
+makes the runner return the logits of every token of their prompt chunks
+(``SeqChunk.all_logits``). See docs/sampling.md and docs/structured_outputs.md.
 
 Seeded sampling is independent of batching and of preemption: each sampled token draws
 from a generator seeded by (request seed, sample index, position), so the same request
@@ -28,6 +30,7 @@ from .model.kv_cache import KVCache, swap_blocks
 from .model.runner import ModelRunner, SeqChunk
 from .model.sampler import PenaltyRow, SamplingRow, apply_penalties, logprob_entries, make_generator, sample
 from .scheduler import SchedulerOutput
+from .structured.matchers import MaskRow
 
 
 def _row_seed(seed: int, index: int, position: int) -> int:
@@ -48,6 +51,18 @@ class ModelExecutor:
         self.swap_granularity = "gather"  # or "layer": vLLM v0's copy per block per layer (kv_cache.swap_blocks)
         self.tokenizer = runner.tokenizer
         self.vocab_size = runner.vocab_size
+        self._grammars = None             # labkit.structured.GrammarMatchers, made by the first request that asks
+
+    @property
+    def grammars(self):
+        """The grammar matchers of constrained requests (``labkit.structured.matchers``),
+        made on first use: XGrammar is loaded only when a request asks for structure."""
+        if self._grammars is None:
+            from .structured.matchers import GrammarMatchers
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this executor has none")
+            self._grammars = GrammarMatchers(self.tokenizer, self.vocab_size, self.runner.eos_token_ids)
+        return self._grammars
 
     def execute(self, plan: SchedulerOutput) -> ExecuteResult:
         t0 = time.perf_counter()
@@ -58,9 +73,12 @@ class ModelExecutor:
         if plan.swap_out or plan.swap_in:
             self._swap(plan)
         logits = self.runner.execute(chunks, plan.copies)
+        if self._grammars is not None:
+            self._grammars.forget_finished()
         rows: list[SamplingRow] = []
         row_of: list[int] = []            # which logits row each sampling row reads
         penalized: list[int] = []         # sampling rows with logit processing
+        grammar_rows: list = []           # sampling rows a grammar constrains (structured.MaskRow)
         prompt_lp: list[tuple[int, list[dict]] | None] | None = None    # built only when asked
         end = 0                           # logits rows used so far
         for k, item in enumerate(plan.scheduled):
@@ -86,6 +104,8 @@ class ModelExecutor:
                     gen = make_generator(_row_seed(params.seed, index, item.sample_position))
                 if params.needs_penalties:
                     penalized.append(len(rows))
+                if params.structured_outputs is not None:
+                    grammar_rows.append(MaskRow(len(rows), item.seq.request, index))
                 rows.append(SamplingRow(params.temperature, params.top_p, params.top_k, gen, params.min_p))
                 row_of.append(end - 1)
         sampled_flat: list[int] = []
@@ -93,11 +113,15 @@ class ModelExecutor:
         if rows:
             identity = len(row_of) == logits.shape[0] and not any(t is not None for t in wants_prompt)
             table = logits if identity else logits[torch.tensor(row_of, device=logits.device)]
+            if grammar_rows:              # in place: logprobs are read after the mask too
+                self.grammars.mask(table, grammar_rows)
             processed = table
             if penalized:
                 processed = table.clone()
                 processed[penalized] = apply_penalties(table[penalized], self._penalty_rows(plan, penalized))
             sampled_flat = sample(processed, rows)
+            for g in grammar_rows:
+                self.grammars.accept(g.request, g.index, [sampled_flat[g.row]])
         sampled, k = [], 0
         for item in plan.scheduled:
             sampled.append(sampled_flat[k:k + item.num_samples])

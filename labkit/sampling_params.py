@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .structured.params import StructuredOutputsParams
+
 GREEDY_EPS = 1e-5   # temperatures below this are greedy (argmax), as in vLLM
 MAX_LOGPROBS = 20   # the most top-k logprobs a request may ask for (OpenAI's limit)
 
@@ -50,6 +52,12 @@ class SamplingParams:
     A request asking ``prompt_logprobs`` does not read its prompt from the prefix cache (it
     needs the logits at every prompt position, which cached blocks do not keep); it still
     publishes its own blocks for later requests.
+
+    ``structured_outputs`` (``docs/structured_outputs.md``): the output must match a JSON
+    Schema, a regex, a choice or a grammar. The tokens the grammar forbids get logit ``-inf``
+    first, before the bias and penalties; ``logprobs`` are then read after that mask. Refused
+    alongside it: ``stop``, ``stop_token_ids``, ``min_tokens`` and ``ignore_eos``, which would
+    end or extend the text where the grammar does not (the grammar says where it ends).
     """
 
     max_tokens: int = 16
@@ -69,6 +77,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0         # seen logits: / penalty if > 0, * penalty if < 0
     min_p: float = 0.0                      # drop tokens with p < min_p * p_max
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit first
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +134,14 @@ class SamplingParams:
                     bad("logit_bias", f"key {t!r} is not a token id (an integer >= 0)")
                 if not (_is_number(b) and -100.0 <= b <= 100.0):
                     bad("logit_bias", f"bias {b!r} for token {t} must be a number in [-100, 100]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a labkit.StructuredOutputsParams or None")
+            self.structured_outputs.validate()
+            for name, default in (("stop", []), ("stop_token_ids", []), ("min_tokens", 0), ("ignore_eos", False)):
+                if getattr(self, name) != default:
+                    bad(name, "cannot be combined with structured_outputs: the grammar decides where the "
+                        "output ends (a stop would cut it short of valid, ignoring the end would run past it)")
 
     @property
     def needs_penalties(self) -> bool:

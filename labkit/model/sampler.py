@@ -11,11 +11,13 @@ same tokens whatever else shares its batch.
 Before that, ``apply_penalties`` processes the rows that ask for it (``PenaltyRow``):
 logit bias, then the repetition penalty, then presence and frequency penalties, as tensor
 ops over those rows only. ``logprob_entries`` reads the RAW distribution (before any
-processing) at chosen tokens and its top-k. Rows that ask for neither pay nothing.
+processing; after the grammar's mask for a constrained request, whose forbidden tokens are
+then no candidates) at chosen tokens and its top-k. Rows that ask for neither pay nothing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -206,7 +208,7 @@ def logprob_entries(logits: torch.Tensor, token_ids: list[int], num_top: list[in
         entry = {t: Logprob(chosen_lp[i], ranks[i], name(t))}
         for r in range(num_top[i]):
             tid = top_ids[i][r]
-            if tid not in entry:
+            if tid not in entry and top_lp[i][r] > -math.inf:   # a masked token (-inf) is no candidate
                 entry[tid] = Logprob(top_lp[i][r], r + 1, name(tid))
         out.append(entry)
     return out

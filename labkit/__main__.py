@@ -28,6 +28,13 @@ on the room's network. Without a key, an address other than loopback is refused.
 /metrics then counts requests, tokens and 401/429 rejections per key name."""
 
 
+# The per-request limits' defaults, written out so that --help imports nothing heavy;
+# tests/test_classroom.py checks them against labkit.server.limits.Limits().
+SERVE_DEFAULTS = {"max_stop_strings": 32, "max_stop_string_length": 128, "max_stop_token_ids": 64,
+                  "max_logit_bias": 300, "max_logprobs": 20, "max_prompt_logprobs": 5,
+                  "keep_alive_timeout_s": 5.0}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m labkit", description="labkit: a small, real LLM server.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -85,6 +92,28 @@ def _parser() -> argparse.ArgumentParser:
                         "aborted (default 15)")
     f.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="most open connections (503 beyond; default: no bound)")
+    f.add_argument("--keep-alive-timeout", type=float, default=SERVE_DEFAULTS["keep_alive_timeout_s"], metavar="S",
+                   help="seconds an idle kept-alive connection stays open (default %(default)g)")
+    r = s.add_argument_group("limits per request (each bounds work the engine does at every step; "
+                             "docs/server_api.md)")
+    r.add_argument("--max-stop-strings", type=int, default=SERVE_DEFAULTS["max_stop_strings"], metavar="N",
+                   help="most stop strings per request (400 beyond; default %(default)s; OpenAI allows 4)")
+    r.add_argument("--max-stop-string-length", type=int, default=SERVE_DEFAULTS["max_stop_string_length"],
+                   metavar="CHARS", help="longest stop string (default %(default)s characters)")
+    r.add_argument("--max-stop-token-ids", type=int, default=SERVE_DEFAULTS["max_stop_token_ids"], metavar="N",
+                   help="most stop_token_ids per request (default %(default)s)")
+    r.add_argument("--max-logit-bias", type=int, default=SERVE_DEFAULTS["max_logit_bias"], metavar="N",
+                   help="most logit_bias entries per request (default %(default)s)")
+    r.add_argument("--max-logprobs", type=int, default=SERVE_DEFAULTS["max_logprobs"], metavar="K",
+                   help="most alternatives per generated token in logprobs and top_logprobs (vLLM's option; "
+                        "default %(default)s)")
+    r.add_argument("--max-prompt-logprobs", type=int, default=SERVE_DEFAULTS["max_prompt_logprobs"], metavar="K",
+                   help="most alternatives per prompt token: prompt_logprobs, and logprobs with echo (default "
+                        "%(default)s, OpenAI's cap on completions' logprobs)")
+    a.add_argument("--share-prefix-cache", action="store_true",
+                   help="with keys, let every key's requests reuse the others' cached prompts (faster for a "
+                        "shared system prompt; a student can then tell, by cached_tokens or speed, whether "
+                        "someone sent a prompt). Default: each key's cache is its own")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sub.add_parser("kernels", help="compile the C++ CPU kernels for this machine now, once (make setup does)",
                    description="Compile labkit's C++ CPU kernels for this machine, unless they are built "
@@ -109,7 +138,12 @@ def _access(args) -> tuple:
     limits = Limits(max_concurrent_per_key=cap or None, max_tokens=args.max_tokens_limit,
                     max_body_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
                     body_timeout_s=args.body_timeout, stall_timeout_s=args.stall_timeout,
-                    max_connections=args.max_connections, metrics_public=args.metrics_public)
+                    max_connections=args.max_connections, metrics_public=args.metrics_public,
+                    max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
+                    max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
+                    max_logprobs=args.max_logprobs, max_prompt_logprobs=args.max_prompt_logprobs,
+                    keep_alive_timeout_s=args.keep_alive_timeout,
+                    share_prefix_cache=args.share_prefix_cache)
     return keys, limits
 
 

@@ -49,6 +49,7 @@ class ModelExecutor:
         self.host_cache = host_cache
         self.swap_s = 0.0               # wall seconds spent copying blocks to and from the host
         self.swap_granularity = "gather"  # or "layer": vLLM v0's copy per block per layer (kv_cache.swap_blocks)
+        self._token_texts: dict[int, str] = {}    # token id -> decode([id]), for logprobs (at most the vocab)
         self.tokenizer = runner.tokenizer
         self.vocab_size = runner.vocab_size
         self._grammars = None             # labkit.structured.GrammarMatchers, made by the first request that asks
@@ -178,7 +179,15 @@ class ModelExecutor:
         return logprobs
 
     def _decode(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        """A token's own text (a ``Logprob``'s ``decoded_token``), decoded once per token id:
+        a request asking 20 alternatives per token of a long prompt would otherwise run the
+        tokenizer 21 times per token, in one iteration that every other request waits for."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
 def _prompt_targets(item) -> tuple[int, int] | None:

@@ -15,8 +15,9 @@ Loopback only: the benchmark refuses other hosts. With ``--model`` it runs
 
 ``--classroom`` simulates a class sharing one server (``docs/classroom.md``): it starts a
 server with one API key per student and a per-key cap, runs the students' polite workload
-alone, then again beside one misbehaving key (the hog), and compares the students' time to
-first token. See ``classroom`` below for the scenario.
+alone, then again beside the worst requests the server's limits allow (one key keeping
+them in flight), then beside one misbehaving key (the hog), and compares the students'
+time to first token. See ``Classroom`` below for the scenario.
 """
 
 from __future__ import annotations
@@ -210,7 +211,12 @@ class Classroom:
     ``hog_unread`` streams (n=2, long) it never reads, from sockets with a 4 KiB receive
     buffer (the issue's attack: 80 sequences, more than the batch); ``hog_oversized``
     2 MiB bodies; ``hog_bad_keys`` requests with a wrong key and as many without one;
-    ``hog_idle`` connections that send nothing. Every loop is bounded in count and time."""
+    ``hog_idle`` connections that send nothing. Every loop is bounded in count and time.
+
+    ``worst``: phases in which one key (its own process) keeps the costliest requests the
+    server's limits allow in flight, back to back (``worst_bodies``): ``"generate"``, one
+    streamed request of n = cap samples with every per-token option at its limit;
+    ``"score"``, cap requests scoring the longest prompt with its log-probabilities."""
 
     num_keys: int = 30
     concurrency: int = 2
@@ -229,6 +235,7 @@ class Classroom:
     stall_timeout_s: float = 3.0
     header_timeout_s: float = 2.0
     timeout_s: float = 300.0              # the whole scenario, per phase
+    worst: tuple[str, ...] = ("generate", "score")
 
     def server_args(self, keys_file: str) -> list[str]:
         return ["--api-keys-file", keys_file, "--max-concurrent-per-key", str(self.cap),
@@ -236,10 +243,88 @@ class Classroom:
                 "--header-timeout", str(self.header_timeout_s), "--num-blocks", "1024"]
 
 
+OTHERS = ("hog", "worst")                 # the keys that are not students
+
+
 def classroom_keys(num_keys: int) -> dict[str, str]:
-    """``{name: key}``: ``student01``..., and ``hog``; fresh random keys each run."""
-    names = [f"student{i + 1:02d}" for i in range(num_keys)] + ["hog"]
+    """``{name: key}``: ``student01``..., ``hog`` and ``worst``; fresh random keys each run."""
+    names = [f"student{i + 1:02d}" for i in range(num_keys)] + list(OTHERS)
     return {name: f"sk-labkit-{secrets.token_hex(12)}" for name in names}
+
+
+def worst_bodies(model: str, vocab: int, max_model_len: int, c: Classroom) -> dict[str, dict]:
+    """The costliest requests the classroom server's limits allow (its ``--max-tokens-limit``
+    and per-key cap, and ``Limits``' defaults for the rest), by what they cost:
+
+    * ``generate``: n = cap samples of ``max_tokens`` = the limit after the longest prompt
+      that leaves room, streamed, each token matched against the most and longest stop
+      strings allowed, biased by the most ``logit_bias`` entries, penalised three ways,
+      sampled with seed, top-k, top-p and min-p, with the most log-probabilities per token;
+    * ``score``: the longest prompt, ``max_tokens`` 1, its ``prompt_logprobs`` and echoed
+      logprobs at their limit (what an evaluation harness sends), in one JSON answer.
+    """
+    from ..server.limits import Limits
+    limits, rng = Limits(), random.Random(7)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    stop = [" " + "".join(rng.choice(letters) for _ in range(limits.max_stop_string_length - 1))
+            for _ in range(limits.max_stop_strings)]
+    lo = min(3, vocab - 1)
+    ids = list(range(lo, vocab))
+    # The stop token ids get a bias of -100 (banned: they cost their check and never end a
+    # sample early); the rest of the bias entries nudge tokens either way.
+    stop_ids = rng.sample(ids, min(len(ids), limits.max_stop_token_ids))
+    bias = {str(t): -100.0 for t in stop_ids}
+    for t in rng.sample([t for t in ids if str(t) not in bias], min(len(ids) - len(bias),
+                                                                     limits.max_logit_bias - len(bias))):
+        bias[str(t)] = rng.choice((-1.0, 1.0))
+    per_token = {"stop": stop, "stop_token_ids": stop_ids, "logit_bias": bias,
+                 "temperature": 1.0, "seed": 1, "top_p": 0.95, "top_k": 50, "min_p": 0.01,
+                 "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(lo, vocab) for _ in range(n)]
+
+    generate = {"model": model, "prompt": prompt(max_model_len - c.hog_max_tokens), "max_tokens": c.hog_max_tokens,
+                "n": c.cap, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+                "logprobs": limits.max_logprobs, "return_token_ids": True, **per_token}
+    score = {"model": model, "prompt": prompt(max_model_len - 1), "max_tokens": 1, "echo": True,
+             "logprobs": limits.max_prompt_logprobs, "prompt_logprobs": limits.max_prompt_logprobs, **per_token}
+    return {"generate": generate, "score": score}
+
+
+async def _worst(http, url: str, key: str, bodies: dict[str, dict], kind: str, c: Classroom,
+                 stop: asyncio.Event) -> dict:
+    """Keep ``kind``'s worst requests in flight until ``stop``: reading every answer whole,
+    sending the next one as soon as it ends (a 429 retried after 10 ms)."""
+    body, workers = bodies[kind], (1 if kind == "generate" else c.cap)
+    report = {"kind": kind, "requests": 0, "ok": 0, "tokens": 0, "statuses": {}, "first_error": None}
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def worker():
+        while not stop.is_set():
+            report["requests"] += 1
+            try:
+                async with http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+                    data = await r.aread()
+                status = str(r.status_code)
+                if r.status_code == 200:
+                    report["ok"] += 1
+                    report["tokens"] += data.count(b'"token_ids"') if body.get("stream") else 1
+                elif report["first_error"] is None:
+                    report["first_error"] = f"HTTP {status}: {data[:200]!r}"
+            except Exception as e:  # noqa: BLE001 - counted, and the loop goes on
+                status = type(e).__name__
+                await asyncio.sleep(0.05)
+            report["statuses"][status] = report["statuses"].get(status, 0) + 1
+            if status == "429":
+                await asyncio.sleep(0.01)
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(workers)]
+    await stop.wait()
+    for t in tasks:                       # the students are done: abort what is in flight
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return report
 
 
 async def _polite(http, url: str, model: str, key: str, prompts: list[list[int]], c: Classroom,
@@ -341,8 +426,10 @@ async def _hog(http, url: str, model: str, key: str, c: Classroom, stop: asyncio
             "idle_connections": c.hog_idle}
 
 
-def _hog_main(url: str, model: str, key: str, scenario: dict, started, stop, out) -> None:
-    """The hog's process: run ``_hog`` until the parent sets ``stop``; report on ``out``."""
+def _other_main(kind: str, url: str, model: str, key: str, scenario: dict, bodies: dict | None,
+                started, stop, out) -> None:
+    """The other key's process: run ``_hog`` (kind ``"hog"``) or ``_worst`` (kind
+    ``"generate"``/``"score"``) until the parent sets ``stop``; report on ``out``."""
     import httpx
 
     async def main():
@@ -358,30 +445,33 @@ def _hog_main(url: str, model: str, key: str, scenario: dict, started, stop, out
         limits = httpx.Limits(max_connections=c.hog_flood + 8)
         async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=10), limits=limits) as http:
             asyncio.get_running_loop().call_later(0.5, started.set)
-            report = await _hog(http, url, model, key, c, done)
+            report = await (_hog(http, url, model, key, c, done) if kind == "hog" else
+                            _worst(http, url, key, bodies, kind, c, done))
         watcher.cancel()
         return report
 
     out.put(asyncio.run(main()))
 
 
-class _HogProcess:
-    """The hog in a process of its own, as on another student's machine: its loops must
-    not slow the students' client (and their measured TTFT) inside this process."""
+class _OtherProcess:
+    """The hog, or the worst requests' key, in a process of its own, as on another
+    student's machine: its loops must not slow the students' client (and their measured
+    TTFT) inside this process."""
 
-    def __init__(self, url: str, model: str, key: str, c: Classroom):
+    def __init__(self, kind: str, url: str, model: str, key: str, c: Classroom, bodies: dict | None = None):
         import multiprocessing
         ctx = multiprocessing.get_context("spawn")
         self._started, self._stop, self._out = ctx.Event(), ctx.Event(), ctx.Queue()
-        self._proc = ctx.Process(target=_hog_main, daemon=True,
-                                 args=(url, model, key, asdict(c), self._started, self._stop, self._out))
+        self._proc = ctx.Process(target=_other_main, daemon=True,
+                                 args=(kind, url, model, key, asdict(c), bodies, self._started, self._stop,
+                                       self._out))
         self._proc.start()
 
     async def started(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not self._started.is_set():
             if not self._proc.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the hog process did not start")
+                raise RuntimeError("the other key's process did not start")
             await asyncio.sleep(0.05)
 
     def stop(self, timeout: float = 60.0) -> dict | None:
@@ -398,19 +488,22 @@ class _HogProcess:
 
 
 async def _classroom_phase(url: str, model: str, vocab: int, keys: dict[str, str], c: Classroom,
-                           with_hog: bool, seed: int) -> dict:
+                           other: str | None, seed: int, bodies: dict | None = None) -> dict:
+    """The students' workload, alone (``other`` None) or beside the hog (``"hog"``) or the
+    worst requests (``"generate"``, ``"score"``: ``bodies``)."""
     import httpx
     rng = random.Random(seed)
     lo = min(3, vocab - 1)
-    students = [name for name in keys if name != "hog"]
+    students = [name for name in keys if name not in OTHERS]
     prompts = {n: [[rng.randrange(lo, vocab) for _ in range(c.prompt_len)] for _ in range(c.requests_per_key)]
                for n in students}
     limits = httpx.Limits(max_connections=len(students) * c.concurrency + 8)
-    hog = _HogProcess(url, model, keys["hog"], c) if with_hog else None
+    hog = None if other is None else _OtherProcess(other, url, model, keys["hog" if other == "hog" else "worst"],
+                                                      c, bodies)
     hog_report = None
     try:
         if hog is not None:
-            await hog.started()               # the hog is at it before the students arrive
+            await hog.started()               # the other key is at it before the students arrive
         async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=10), limits=limits) as http:
             start = time.perf_counter()
             try:
@@ -432,7 +525,7 @@ async def _classroom_phase(url: str, model: str, vocab: int, keys: dict[str, str
               "duration_s": wall, "ttft_p50_ms": _ms(percentile(ttft, 50)),
               "ttft_p99_ms": _ms(percentile(ttft, 99)), "ttft_max_ms": _ms(max(ttft, default=float("nan"))),
               "latency_p99_ms": _ms(percentile(latency, 99))}
-    return {"polite": polite, "hog": hog_report}
+    return {"polite": polite, "other": hog_report}
 
 
 def _wait_idle(url: str, headers: dict, timeout: float = 60.0) -> dict[str, float]:
@@ -453,24 +546,31 @@ def _wait_idle(url: str, headers: dict, timeout: float = 60.0) -> dict[str, floa
 
 
 def run_classroom(url: str, keys: dict[str, str], c: Classroom, seed: int = 0) -> dict:
-    """Both phases against a server started with ``c.server_args`` and ``keys``: the
-    students alone, then the students beside the hog. Returns both phases' figures, the
-    hog's answers, and the server's numbers once idle again. The hog runs in a spawned
-    process: call this from under ``if __name__ == "__main__":`` in a script."""
+    """Every phase against a server started with ``c.server_args`` and ``keys``: the
+    students alone, beside each of ``c.worst``'s worst requests, then beside the hog.
+    Returns each phase's figures, the other key's answers, and the server's numbers once
+    idle again. The other keys run in spawned processes: call this from under
+    ``if __name__ == "__main__":`` in a script."""
     headers = {"Authorization": f"Bearer {keys['hog']}"}
     import httpx
     data = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]
-    model, vocab = data["id"], int(data.get("vocab_size") or 256)
+    model, vocab, max_len = data["id"], int(data.get("vocab_size") or 256), int(data.get("max_model_len") or 2048)
+    bodies = worst_bodies(model, vocab, max_len, c)
     warm = Classroom(num_keys=c.num_keys, concurrency=c.concurrency, requests_per_key=1, prompt_len=c.prompt_len,
                      max_tokens=c.max_tokens, think_s=0.0, spread_s=0.0)
-    asyncio.run(_classroom_phase(url, model, vocab, keys, warm, False, -1))   # warm-up: every batch size
+    asyncio.run(_classroom_phase(url, model, vocab, keys, warm, None, -1))   # warm-up: every batch size
     _wait_idle(url, headers)
-    baseline = asyncio.run(_classroom_phase(url, model, vocab, keys, c, False, seed))
+    baseline = asyncio.run(_classroom_phase(url, model, vocab, keys, c, None, seed))
     _wait_idle(url, headers)
-    with_hog = asyncio.run(_classroom_phase(url, model, vocab, keys, c, True, seed))
+    worst = {}
+    for kind in c.worst:
+        worst[kind] = asyncio.run(_classroom_phase(url, model, vocab, keys, c, kind, seed, bodies))
+        _wait_idle(url, headers)
+    with_hog = asyncio.run(_classroom_phase(url, model, vocab, keys, c, "hog", seed))
     m = _wait_idle(url, headers)
     polite_429 = sum(v for k, v in m.items()
-                     if k.startswith("labkit_key_errors_total") and 'status="429"' in k and 'key="hog"' not in k)
+                     if k.startswith("labkit_key_errors_total") and 'status="429"' in k
+                     and not any(f'key="{o}"' in k for o in OTHERS))
     server = {
         "kv_blocks_total": m["labkit_kv_blocks_total"], "kv_blocks_free": m["labkit_kv_blocks_free"],
         "kv_blocks_used": m["labkit_kv_blocks_used"], "gate_in_flight": m["labkit_gate_in_flight"],
@@ -484,27 +584,48 @@ def run_classroom(url: str, keys: dict[str, str], c: Classroom, seed: int = 0) -
         "connections_cut_header_timeout": m['labkit_connections_cut_total{reason="header_timeout"}'],
         "connections_cut_stalled": m['labkit_connections_cut_total{reason="stalled"}'],
     }
-    base, hog = baseline["polite"]["ttft_p99_ms"], with_hog["polite"]["ttft_p99_ms"]
-    return {"model": model, "url": url, "scenario": asdict(c), "baseline": baseline, "with_hog": with_hog,
-            "ttft_p99_ratio": hog / base if base and hog else None, "server": server}
+    base = baseline["polite"]["ttft_p99_ms"]
+
+    def ratio(phase: dict) -> float | None:
+        p99 = phase["polite"]["ttft_p99_ms"]
+        return p99 / base if base and p99 else None
+
+    return {"model": model, "url": url, "scenario": asdict(c), "load_average": _load_average(),
+            "baseline": baseline, "worst": worst, "with_hog": with_hog, "ttft_p99_ratio": ratio(with_hog),
+            "worst_ttft_p99_ratio": {kind: ratio(phase) for kind, phase in worst.items()}, "server": server}
+
+
+def _load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _classroom_table(r: dict) -> str:
     rows = [f"{r['model']} at {r['url']}: {r['scenario']['num_keys']} students x "
             f"{r['scenario']['requests_per_key']} streaming requests ({r['scenario']['concurrency']} at a time, "
-            f"{r['scenario']['max_tokens']} tokens), per-key cap {r['scenario']['cap'] or 'none'}",
-            f"{'phase':<10} {'reqs':>5} {'ok':>4} {'failed':>6} {'time s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-            f"{'TTFT max':>9}  (ms)"]
-    for phase in ("baseline", "with_hog"):
-        p = r[phase]["polite"]
+            f"{r['scenario']['max_tokens']} tokens), per-key cap {r['scenario']['cap'] or 'none'}; "
+            f"load average {r['load_average']}",
+            f"{'phase':<16} {'reqs':>5} {'ok':>4} {'failed':>6} {'time s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'TTFT max':>9} {'p99 ratio':>9}  (ms)"]
+    phases = [("baseline", r["baseline"], None)]
+    phases += [(f"worst {kind}", phase, r["worst_ttft_p99_ratio"][kind]) for kind, phase in r["worst"].items()]
+    phases.append(("with the hog", r["with_hog"], r["ttft_p99_ratio"]))
+    for name, phase, ratio in phases:
+        p = phase["polite"]
         f = lambda x: f"{'-':>9}" if x is None else f"{x:9.1f}"  # noqa: E731
-        rows.append(f"{phase:<10} {p['num_requests']:>5} {p['num_ok']:>4} {p['num_failed']:>6} "
-                    f"{p['duration_s']:>7.2f} {f(p['ttft_p50_ms'])} {f(p['ttft_p99_ms'])} {f(p['ttft_max_ms'])}")
+        rows.append(f"{name:<16} {p['num_requests']:>5} {p['num_ok']:>4} {p['num_failed']:>6} "
+                    f"{p['duration_s']:>7.2f} {f(p['ttft_p50_ms'])} {f(p['ttft_p99_ms'])} {f(p['ttft_max_ms'])} "
+                    f"{'-' if ratio is None else f'{ratio:.2f}x':>9}")
         if p["first_error"]:
-            rows.append(f"           first failure: {p['first_error']}")
-    ratio = r["ttft_p99_ratio"]
-    rows.append(f"students' TTFT p99 with the hog / without: {ratio:.2f}x" if ratio else "TTFT ratio: -")
-    rows.append(f"hog's answers (client side): {r['with_hog']['hog']['statuses']}")
+            rows.append(f"{'':<17}first failure: {p['first_error']}")
+    for kind, phase in r["worst"].items():
+        w = phase["other"] or {}
+        rows.append(f"worst {kind} (client side): {w.get('ok', 0)} of {w.get('requests', 0)} requests answered, "
+                    f"{w.get('statuses')}" + (f"; first error {w['first_error']}" if w.get("first_error") else ""))
+    rows.append(f"hog's answers (client side): {r['with_hog']['other']['statuses']}")
     s = r["server"]
     rows.append(f"server: hog 429s {s['hog_429']:.0f}, 413s {s['hog_413']:.0f}, streams cut for stalling "
                 f"{s['hog_streams_stalled']:.0f}; 401s {s['unauthorized']:.0f}; idle connections cut "
@@ -527,7 +648,9 @@ def classroom_main(args, c: Classroom) -> int:
         finally:
             _stop_server(proc)
     print(json.dumps(result, indent=2) if args.json else _classroom_table(result))
-    ok = (result["with_hog"]["polite"]["num_failed"] == 0 and result["baseline"]["polite"]["num_failed"] == 0
+    phases = [result["baseline"], result["with_hog"], *result["worst"].values()]
+    ok = (all(p["polite"]["num_failed"] == 0 for p in phases)
+          and all((p["other"] or {}).get("ok", 0) > 0 for p in result["worst"].values())
           and result["server"]["pool_whole"] and (result["server"]["hog_429"] > 0 or not c.cap))
     return 0 if ok else 1
 
@@ -552,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--students", type=int, default=default.num_keys, help="polite keys (default %(default)s)")
     k.add_argument("--requests-per-student", type=int, default=default.requests_per_key,
                    help="streaming requests per student (default %(default)s)")
+    k.add_argument("--worst", default=",".join(default.worst),
+                   help="worst-request phases to run: generate, score, both (default) or none")
     k.add_argument("--cap", type=int, default=default.cap,
                    help="the server's --max-concurrent-per-key (default %(default)s; 0: no cap, no "
                         "round-robin, to see what the gate prevents)")
@@ -561,8 +686,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--classroom starts its own server with the keys it needs: use --model, not --url")
         if args.students < 1 or args.requests_per_student < 1 or (args.cap != 0 and args.cap < 2):
             p.error("--students and --requests-per-student must be >= 1, --cap >= 2 (or 0: no gate)")
+        worst = tuple(w.strip() for w in args.worst.split(",") if w.strip() and w.strip() != "none")
+        if any(w not in ("generate", "score") for w in worst):
+            p.error(f"--worst takes generate, score or none, got {args.worst!r}")
         return classroom_main(args, Classroom(num_keys=args.students, requests_per_key=args.requests_per_student,
-                                              cap=args.cap))
+                                              cap=args.cap, worst=worst))
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:

@@ -15,16 +15,23 @@ its request aborted and its KV blocks freed at once: the stream notices the disc
 (Starlette cancels it, and a watcher polls ``request.is_disconnected()``) and aborts.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for
-malformed requests and values the engine refuses (the prompt too long, say), 401 without a
-valid key (when the server has keys), 404 for an unknown model, 408 for a body that does not
-arrive in time, 413 for a body over the size limit, 429 when the client is over its share
-(``Retry-After``) or ``max_waiting`` requests wait already, 503 when the engine is down.
+malformed requests, values the engine refuses, asks over the server's per-request caps
+(``limits.check_request``) and a prompt plus ``max_tokens`` beyond the model's context
+(OpenAI's wording, ``context_length_exceeded``), 401 without a valid key (when the server
+has keys), 404 for an unknown model, 408 for a body that does not arrive in time, 413 for a
+body over the size limit, 429 when the client is over its share (``Retry-After``) or
+``max_waiting`` requests wait already, 503 when the engine is down. A 401, 413 or 429
+decided from the headers closes the connection: the body, however large, is never read.
+``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens the prefix cache
+served.
 
 A server a class shares (``auth.py``, ``fairness.py``, ``limits.py``): with keys, every
 ``/v1`` route needs ``Authorization: Bearer <key>``, and so does ``/metrics`` unless
-``limits.metrics_public``; ``/health`` is always open. Each request is counted under its
-key's name (without keys: the client address), and passes the admission gate: a cap per
-key, then round-robin release into the engine.
+``limits.metrics_public``; ``/health`` is always open, and ``/docs``, ``/redoc`` and
+``/openapi.json`` are off. Each request is counted under its key's name (without keys: the
+client address), passes the admission gate (a cap per key, then round-robin release into
+the engine), and runs in its key's own prefix-cache namespace (a cache salt: no key can hit,
+or time, another key's cached prompt) unless ``limits.share_prefix_cache``.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from .auth import KeyRing
 from .fairness import AdmissionGate, OverCapError, Ticket
-from .limits import STALLED_SCOPE_KEY, ConnectionStats, Limits, check_length, read_body
+from .limits import STALLED_SCOPE_KEY, ConnectionStats, Limits, check_length, check_request, read_body
 from .metrics import render_client_metrics, render_metrics
 from .protocol import (APIError, Parsed, TokenNames, bad_request, chat_logprobs, completion_logprobs,
                        error_body, new_id, now, parse_chat, parse_completion, parse_json, sse, usage,
@@ -80,8 +87,12 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         if owns_engine:
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
+    # With keys, the API's self-description would be the one page open to anyone: off.
+    docs = not keys
     app = FastAPI(title="labkit", version="0.1.0", lifespan=lifespan,
-                  description="A small real LLM server: PagedAttention, continuous batching.")
+                  description="A small real LLM server: PagedAttention, continuous batching.",
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.engine = engine
     app.state.model_name = name
     http_errors: collections.Counter = collections.Counter()     # status code -> responses
@@ -175,27 +186,25 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         parsed = parse_chat(parse_json(await read_body(request, limits)))
         if getattr(engine.tokenizer, "chat_template", None) is None:
             raise bad_request(f"model {name!r} has no chat template: use /v1/completions", param="messages")
-        try:
-            prompt = engine.tokenizer.apply_chat_template(parsed.prompts[0], tokenize=False,
-                                                          add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template's own complaint (roles, order)
-            raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
-        parsed.prompts = [prompt]
         return await _serve(request, parsed, chat=True)
 
     async def _serve(request: Request, parsed: Parsed, chat: bool):
         if parsed.model is not None and parsed.model not in aliases:
             raise APIError(404, f"the model {parsed.model!r} does not exist; this server serves {name!r}",
                            "invalid_request_error", "model", "model_not_found")
+        check_request(parsed, limits)
         _cap_max_tokens(parsed)
         bias = parsed.params.logit_bias or {}
         if any(t >= engine.vocab_size for t in bias):
             raise bad_request(f"'logit_bias' names token {max(bias)}, but the vocabulary has "
                               f"{engine.vocab_size} tokens (ids 0..{engine.vocab_size - 1})", param="logit_bias")
         rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
+        # With keys, a client's own request id lives in its key's namespace: no student can
+        # occupy, or probe, the ids another student's client sends.
+        engine_rid = f"{request.state.client}:{rid}" if keys and "x-request-id" in request.headers else rid
         ticket = await _admit(request, len(parsed.prompts) * parsed.params.n)
         try:
-            streams = await _start(rid, parsed, chat)
+            streams = await _start(engine_rid, parsed, _salt(request.state.client, parsed.cache_salt))
         except BaseException:
             gate.release(ticket)
             raise
@@ -216,15 +225,14 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         return await _complete(request, rid, parsed, streams, chat, ticket)
 
     def _cap_max_tokens(parsed: Parsed) -> None:
-        """Apply ``limits.max_tokens``: the default of a chat request without max_tokens,
-        and a 400 for an explicit value over it (never a silent cut)."""
+        """Apply ``limits.max_tokens``: the most a chat request without max_tokens gets
+        (``_fit_context`` gives it what its prompt leaves of the context, up to this), and a
+        400 for an explicit value over it (never a silent cut)."""
         cap = limits.max_tokens
         if cap is None:
             return
         params = parsed.params
         if parsed.fill_context:
-            parsed.fill_context = False
-            params.max_tokens = cap
             if params.min_tokens > cap:
                 raise bad_request(f"min_tokens={params.min_tokens} exceeds this server's limit of "
                                   f"{cap} tokens per request", param="min_tokens")
@@ -236,13 +244,72 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
     def _screen(request: Request) -> None:
         """What the headers alone can refuse, before the body is read (refusing stays
         cheap): no valid key (401), a declared body over the limit (413), a key at its
-        cap already (429)."""
-        client = authorize(request)
-        check_length(request, limits)
+        cap already (429). The refusal closes the connection: otherwise the server would
+        go on reading (and discarding) the body to reach the connection's next request,
+        at whatever size the client declared."""
         try:
-            gate.check_room(client)
-        except OverCapError as e:
-            raise _too_many(e) from None
+            client = authorize(request)
+            check_length(request, limits)
+            try:
+                gate.check_room(client)
+            except OverCapError as e:
+                raise _too_many(e) from None
+        except APIError as e:
+            e.headers = {**e.headers, "Connection": "close"}
+            raise
+
+    def _salt(client: str, asked: str | None) -> str | None:
+        """The request's prefix-cache namespace. With keys (unless the operator shares the
+        cache), its key's name: a prompt is then found in the cache only by requests of the
+        same key, so no student can test, by the cached-token count or the time to first
+        token, whether another sent it. A request's own ``cache_salt`` narrows it further."""
+        if not keys or limits.share_prefix_cache:
+            return asked
+        return f"key:{client}" + ("" if asked is None else f"\x00{asked}")
+
+    async def _tokenize(prompt, chat: bool) -> tuple[str | None, list[int]]:
+        """The prompt's text and token ids: chat messages through the model's template,
+        text through the tokenizer, both on the tokenizer's thread (neither the engine's
+        nor the event loop's: a large body takes them a while)."""
+        try:
+            if chat:
+                prompt = await engine.render_chat(prompt)
+            return await engine.tokenize(prompt)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages" if chat else "prompt") from None
+
+    def _fit_context(parsed: Parsed, num_prompt: int):
+        """The request's SamplingParams for a prompt of ``num_prompt`` tokens: a chat
+        request without max_tokens gets what the prompt leaves of the context (at most
+        ``limits.max_tokens``). Over the context: 400 in OpenAI's words, which say how many
+        tokens were asked for and how many the model allows."""
+        params, limit = parsed.params, engine.max_model_len
+        if parsed.fill_context:
+            room = limit - num_prompt
+            if room < max(1, params.min_tokens):
+                if parsed.chat:
+                    raise _context_error(f"This model's maximum context length is {limit} tokens. However, "
+                                         f"your messages resulted in {num_prompt} tokens. Please reduce the "
+                                         "length of the messages.", parsed)
+                raise _context_error(f"This model's maximum context length is {limit} tokens, however your prompt "
+                                     f"has {num_prompt} tokens. Please reduce your prompt.", parsed)
+            params = _copy(params)
+            params.max_tokens = min(room, limits.max_tokens or room)
+            return params
+        total = num_prompt + params.max_tokens
+        if total > limit:
+            if parsed.chat:
+                raise _context_error(f"This model's maximum context length is {limit} tokens. However, you "
+                                     f"requested {total} tokens ({num_prompt} in the messages, {params.max_tokens} "
+                                     "in the completion). Please reduce the length of the messages or "
+                                     "completion.", parsed)
+            raise _context_error(f"This model's maximum context length is {limit} tokens, however you requested "
+                                 f"{total} tokens ({num_prompt} in your prompt; {params.max_tokens} for the "
+                                 "completion). Please reduce your prompt; or completion length.", parsed)
+        return params if len(parsed.prompts) == 1 else _copy(params)
+
+    def _context_error(message: str, parsed: Parsed) -> APIError:
+        return bad_request(message, param="messages" if parsed.chat else "prompt", code="context_length_exceeded")
 
     def _too_many(e: OverCapError) -> APIError:
         return APIError(429, str(e), "rate_limit_error", None, "too_many_concurrent_requests",
@@ -271,23 +338,28 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
 
     def _account(ticket: Ticket, streams: list[RequestStream], newest: dict) -> None:
         """Give the ticket's places back and count the request's tokens under its client
-        (``newest``: each stream's newest output). Once per ticket."""
+        (``newest``: each stream's newest output), its cache hits included: a key's own
+        hits, since its prompts only meet its own cached blocks. Once per ticket."""
         if ticket.done:
             return
         gate.release(ticket)
         u = gate.usage(ticket.client)
         u.prompt_tokens += sum(len(s.prompt_token_ids) for s in streams)
+        u.cached_tokens += sum(out.num_cached_tokens for out in newest.values())
         u.generation_tokens += sum(len(o.token_ids) for out in newest.values() for o in out.outputs)
 
-    async def _start(rid: str, parsed: Parsed, chat: bool) -> list[RequestStream]:
-        """Queue every prompt, or none: a refusal aborts those already queued."""
+    async def _start(rid: str, parsed: Parsed, salt: str | None) -> list[RequestStream]:
+        """Tokenize and queue every prompt, or none: a refusal (a prompt over the context,
+        the queue full) aborts those already queued."""
         streams: list[RequestStream] = []
+        chat = parsed.chat
         try:
             for i, prompt in enumerate(parsed.prompts):
-                params = parsed.params if len(parsed.prompts) == 1 else _copy(parsed.params)
+                text, ids = await _tokenize(prompt, chat)
+                params = _fit_context(parsed, len(ids))
                 request_id = rid if len(parsed.prompts) == 1 else f"{rid}-{i}"
-                streams.append(await engine.add_request(prompt, params, request_id,
-                                                        fill_context=parsed.fill_context))
+                streams.append(await engine.add_request(text if text is not None else ids, params, request_id,
+                                                        prompt_token_ids=ids, cache_salt=salt))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -317,11 +389,12 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
             for s in streams:
                 s.abort()
             _account(ticket, streams, final)
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
         n = parsed.params.n
         for i in range(len(streams)):
             out = final[i]
             prompt_tokens += len(out.prompt_token_ids)
+            cached_tokens += out.num_cached_tokens
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
                 choice = {"index": i * n + o.index}
@@ -345,12 +418,15 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
                     choice["token_ids"] = list(o.token_ids)
                 choices.append(choice)
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": name, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+                "model": name, "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
         if parsed.prompt_logprobs is not None and chat:      # vLLM: chat's are the response's
             body["prompt_logprobs"] = _prompt_logprobs(final[0], parsed.prompt_logprobs)
         if parsed.return_token_ids:
             body["prompt_token_ids"] = [s.prompt_token_ids for s in streams]
-        return body
+        # Serialised by json.dumps directly: FastAPI's jsonable_encoder walks every value in
+        # Python, which for 20 log-probabilities per token of a long answer holds the event
+        # loop (and every stream it serves) for a noticeable while.
+        return JSONResponse(body)
 
     def _prompt_logprobs(out, top: int) -> list | None:
         if out.prompt_logprobs is None:
@@ -428,7 +504,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         sent_tokens: dict[int, int] = {}
         closed: set[int] = set()
         opened: set[int] = set()              # choices whose ``first`` chunk has gone
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached_tokens = 0
         try:
             for e in preamble:
                 yield e
@@ -465,9 +541,10 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
                                 completion_tokens += len(o.token_ids)
                         if out.finished:
                             prompt_tokens += len(out.prompt_token_ids)
+                            cached_tokens += out.num_cached_tokens
             if parsed.include_usage:
                 yield sse({"id": rid, "object": obj, "created": created, "model": name, "choices": [],
-                           "usage": usage(prompt_tokens, completion_tokens)})
+                           "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
             yield sse("[DONE]")
         except EngineDeadError as e:
             yield sse(error_body(str(e), "service_unavailable"))

@@ -12,7 +12,10 @@ them at its next iteration. That is continuous batching made literal.
 
 Threads: the engine thread owns the ``Engine`` (scheduler, allocator, model, tokenizer).
 Everything that changes it, adding a request, aborting one, happens on that thread: other
-threads and event loops only put messages into a locked inbox and wake it. Each request's
+threads and event loops only put messages into a locked inbox and wake it. Prompts are
+tokenized before they reach the inbox, on a thread of their own (``tokenize``): a 1 MiB
+prompt takes the tokenizer most of a second, which every running request would otherwise
+wait through. Each request's
 outputs travel back to the event loop that asked, through an ``asyncio.Queue`` fed with
 ``loop.call_soon_threadsafe``. With nothing to do, the thread sleeps on a condition
 variable: an idle server burns no CPU.
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ..outputs import RequestOutput, request_output
-from ..request import Request, encode_prompt
+from ..request import Request, check_cache_salt, encode_prompt, is_token_id, split_prompt
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger("labkit.server")
@@ -161,6 +164,8 @@ class AsyncEngine:
         self._requests: dict[str, Request] = {}              # engine thread only
         self._sent: dict[int, int] = {}                      # seq_id -> chars streamed (engine thread)
         self._finished: deque[RequestRecord] = deque(maxlen=max_records)
+        # One thread tokenizes, in arrival order: big prompts queue here, not in the engine loop.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="labkit-tokenize")
         self._ids = itertools.count()
         self._stopping = False
         self._error: BaseException | None = None
@@ -184,6 +189,7 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -209,16 +215,49 @@ class AsyncEngine:
         return self.engine.now
 
     # ---- requests -----------------------------------------------------------------
-    async def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                          request_id: str | None = None, *, fill_context: bool = False) -> RequestStream:
+    async def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt (text, token ids or a prompt dict, as
+        ``add_request`` takes it), text tokenized on the tokenizer's thread, never on the
+        engine's. Raises ``ValueError`` for something that is not a prompt."""
+        text, _ = split_prompt(prompt)
+        if not isinstance(text, str):
+            return encode_prompt(text, self.tokenizer)          # token ids: only checked
+        return await self._on_tokenizer_thread(encode_prompt, text, self.tokenizer)
+
+    async def render_chat(self, messages: list[dict]) -> str:
+        """A conversation as the model's chat template writes it (with the generation
+        prompt), rendered on the tokenizer's thread. ``ValueError`` with the template's own
+        complaint (roles, order) for messages it rejects."""
+        def render() -> str:
+            try:
+                return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - a template raises what it likes
+                raise ValueError(f"the chat template rejected the messages: {e}") from None
+        return await self._on_tokenizer_thread(render)
+
+    async def _on_tokenizer_thread(self, fn, *args):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+        except RuntimeError as e:
+            if "shutdown" not in str(e):
+                raise
+            raise EngineDeadError(f"the engine is not running ({e})") from None
+
+    async def add_request(self, prompt: Prompt | dict, params: SamplingParams | None = None,
+                          request_id: str | None = None, *, fill_context: bool = False,
+                          cache_salt: str | None = None, prompt_token_ids: list[int] | None = None) -> RequestStream:
         """Queue a request and return its stream once the engine has accepted it.
 
-        ``prompt``: text (tokenized with special tokens, as ``LLM.generate`` does) or
-        token ids. ``fill_context``: ignore ``params.max_tokens`` and generate up to the
-        model's context length. Raises ``ValueError`` for a request that can never run
-        (bad parameters, prompt too long, unknown tokens: the engine's message),
-        ``QueueFullError`` when ``max_waiting`` requests wait already, ``EngineDeadError``
-        when the loop has stopped.
+        ``prompt``: text (tokenized with special tokens, as ``LLM.generate`` does, on the
+        tokenizer's thread), token ids, or vLLM's prompt dict (``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}``, with an optional ``"cache_salt"``).
+        ``prompt_token_ids``: the ids of the text ``prompt`` when the caller has them already
+        (the server tokenizes first, to check the context). ``cache_salt``: the request's
+        prefix-cache namespace (``Request``). ``fill_context``: ignore ``params.max_tokens``
+        and generate up to the model's context length. Raises ``ValueError`` for a request
+        that can never run (bad parameters, prompt too long, unknown tokens: the engine's
+        message), ``QueueFullError`` when ``max_waiting`` requests wait already,
+        ``EngineDeadError`` when the loop has stopped.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -226,6 +265,15 @@ class AsyncEngine:
         params.validate()
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        given, salt = split_prompt(prompt)
+        cache_salt = cache_salt if cache_salt is not None else salt
+        check_cache_salt(cache_salt)
+        if prompt_token_ids is None:
+            text, ids = await self.tokenize(given)
+        else:
+            if not (isinstance(prompt_token_ids, list) and all(is_token_id(t) for t in prompt_token_ids)):
+                raise ValueError("prompt_token_ids must be a list of token ids (integers)")
+            text, ids = (given if isinstance(given, str) else None), prompt_token_ids
         loop = asyncio.get_running_loop()
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
@@ -243,7 +291,7 @@ class AsyncEngine:
             stream = RequestStream(self, request_id, loop)
             self._streams[request_id] = stream
             self._unscheduled.add(request_id)
-            self._inbox.append(("add", request_id, prompt, params, fill_context, future))
+            self._inbox.append(("add", request_id, text, ids, params, fill_context, cache_salt, future))
             self._cond.notify()
         try:
             stream.prompt_token_ids = await asyncio.wrap_future(future)
@@ -344,14 +392,14 @@ class AsyncEngine:
                     self._fail(rid, EngineDeadError("the engine has shut down"))
             self._refresh_stats()
 
-    def _admit(self, request_id: str, prompt, params: SamplingParams, fill_context: bool,
-               future: concurrent.futures.Future) -> None:
+    def _admit(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+               fill_context: bool, cache_salt: str | None, future: concurrent.futures.Future) -> None:
         try:
-            text, ids = encode_prompt(prompt, self.tokenizer)
             if fill_context:
                 params.max_tokens = max(1, self.max_model_len - len(ids))
                 params.min_tokens = min(params.min_tokens, params.max_tokens)
-            request = self.engine.add_request(ids, params, request_id=request_id, prompt=text)
+            request = self.engine.add_request(ids, params, request_id=request_id, prompt=text,
+                                              cache_salt=cache_salt)
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the loop
             with self._cond:
                 self._streams.pop(request_id, None)

@@ -80,7 +80,9 @@ def describe_access(host: str, keys: KeyRing, limits: Limits) -> str:
              "admitted round-robin" if cap is not None else "no per-client cap")
     tokens = f"max_tokens <= {limits.max_tokens}" if limits.max_tokens else "max_tokens up to the context"
     metrics = "/metrics open" if limits.metrics_public or not keys else "/metrics needs a key"
-    return f"reachable {who}, {auth}; {share}; {tokens}; {metrics}; /health open"
+    cache = ("prefix cache private to each key" if keys and not limits.share_prefix_cache else
+             "prefix cache shared by every key (--share-prefix-cache)" if keys else "prefix cache shared")
+    return f"reachable {who}, {auth}; {share}; {tokens}; {cache}; {metrics}; /health open"
 
 
 def _as_keys(api_keys) -> KeyRing:
@@ -97,7 +99,7 @@ def _as_keys(api_keys) -> KeyRing:
 def _config(app, log_level: str, limits: Limits, connections: ConnectionStats):
     import uvicorn
     return uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                          timeout_graceful_shutdown=3, timeout_keep_alive=30,
+                          timeout_graceful_shutdown=3, timeout_keep_alive=limits.keep_alive_timeout_s,
                           http=guarded_protocol(limits, connections),
                           limit_concurrency=limits.max_connections)
 

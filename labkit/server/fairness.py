@@ -39,6 +39,7 @@ class ClientUsage:
 
     requests: int = 0                     # requests admitted into the engine
     prompt_tokens: int = 0
+    cached_tokens: int = 0                # of those, served by the prefix cache (the key's own hits)
     generation_tokens: int = 0
     errors: dict[int, int] = field(default_factory=dict)    # HTTP status -> error responses
     active: int = 0                       # sequences handed to the engine, not finished

@@ -5,6 +5,12 @@ What one client can cost the server, and where each cost is bounded:
 | a client that ...                        | bounded by                              | answer              |
 | ---------------------------------------- | --------------------------------------- | ------------------- |
 | asks for very long outputs               | ``max_tokens`` (``--max-tokens-limit``) | 400 naming the cap  |
+| sends many or long stop strings          | ``max_stop_strings``, ``max_stop_string_length`` | 400 naming the cap |
+| sends a large logit_bias                 | ``max_logit_bias``                      | 400 naming the cap  |
+| asks for many log-probabilities          | ``max_logprobs`` (vLLM's name) per      | 400 naming the cap  |
+|                                          | generated token, ``max_prompt_logprobs`` |                     |
+|                                          | per prompt token                        |                     |
+| sends many stop token ids                | ``max_stop_token_ids``                  | 400 naming the cap  |
 | sends a huge body                        | ``max_body_bytes``                      | 413, connection closed |
 | connects and sends nothing, or a request | ``header_timeout_s`` (slowloris)        | 408, connection closed |
 |   head one byte at a time                |                                         |                     |
@@ -13,6 +19,12 @@ What one client can cost the server, and where each cost is bounded:
 |                                          | then ``stall_timeout_s``                | KV blocks freed; counted |
 | opens very many requests                 | the per-key cap (``fairness.py``)       | 429 + Retry-After   |
 | opens very many connections              | ``max_connections``                     | 503                 |
+| keeps a connection open and idle         | ``keep_alive_timeout_s``                | connection closed   |
+| is refused (401, 413, 429) mid-upload    | the refusal closes the connection       | the rest of the body is never read |
+
+Each per-request cap bounds work the engine does for that request on *every* iteration,
+on the thread every other request waits for (``docs/server_api.md``, "What a request may
+cost", has the measured costs).
 
 A stream's buffering is bounded at two levels. In the server, a stream keeps only the
 engine's *newest* output per sequence (outputs are cumulative: each holds all the text so
@@ -35,9 +47,17 @@ import contextlib
 import socket
 from dataclasses import dataclass
 
-from .protocol import APIError
+from ..sampling_params import MAX_LOGPROBS
+from .protocol import APIError, Parsed, bad_request
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# Defaults of the per-request caps (``docs/server_api.md`` justifies each).
+DEFAULT_MAX_STOP_STRINGS = 32          # OpenAI allows 4; evaluation harnesses and agents send more
+DEFAULT_MAX_STOP_STRING_LENGTH = 128   # characters; also what a stream may hold back
+DEFAULT_MAX_STOP_TOKEN_IDS = 64
+DEFAULT_MAX_LOGIT_BIAS = 300           # entries (token ids)
+DEFAULT_MAX_PROMPT_LOGPROBS = 5       # OpenAI's cap on completions' logprobs (which echo applies to the prompt)
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0     # uvicorn's own default; labkit used 30 s before
 
 
 def default_max_concurrent_per_key(max_num_seqs: int) -> int:
@@ -54,7 +74,13 @@ class Limits:
     ``max_concurrent_per_key``: sequences per client running or waiting (the gate; None:
     no gate, the engine's FCFS alone). ``max_tokens``: a cap on each request's
     ``max_tokens`` (chat requests without one get it as their default).
+    ``max_stop_strings``/``max_stop_string_length``/``max_stop_token_ids``/``max_logit_bias``/
+    ``max_logprobs``/``max_prompt_logprobs``: caps on what one request may ask for
+    (``check_request``).
+    ``keep_alive_timeout_s``: how long an idle kept-alive connection stays open.
     ``metrics_public``: serve ``/metrics`` without a key even when keys are set.
+    ``share_prefix_cache``: with keys, let every key's requests hit each other's cached
+    prompts (default: each key has its own namespace, a cache salt; ``docs/classroom.md``).
     """
 
     max_concurrent_per_key: int | None = None
@@ -66,17 +92,36 @@ class Limits:
     write_buffer_bytes: int = 32 * 1024
     max_connections: int | None = None
     metrics_public: bool = False
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
+    max_logprobs: int = MAX_LOGPROBS
+    max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    share_prefix_cache: bool = False
 
     def __post_init__(self):
         for name in ("max_concurrent_per_key", "max_tokens", "max_connections"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        for name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.max_stop_string_length, int) or self.max_stop_string_length < 1:
+            raise ValueError(f"max_stop_string_length must be an integer >= 1, got {self.max_stop_string_length!r}")
+        for name in ("max_logprobs", "max_prompt_logprobs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (the engine computes at most "
+                                 f"{MAX_LOGPROBS}), got {value!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
         if not isinstance(self.write_buffer_bytes, int) or self.write_buffer_bytes < 1024:
             raise ValueError(f"write_buffer_bytes must be an integer >= 1024, got {self.write_buffer_bytes!r}")
-        for name in ("header_timeout_s", "body_timeout_s", "stall_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "stall_timeout_s", "keep_alive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
 
@@ -87,6 +132,42 @@ class ConnectionStats:
 
     header_timeouts: int = 0              # no complete request head in time (slowloris)
     stalled: int = 0                      # the client stopped reading a response
+
+
+def check_request(parsed: Parsed, limits: Limits) -> None:
+    """Refuse (400, naming the field, the cap and the option that sets it) a request that
+    asks for more per-iteration work than ``limits`` allow: every cap here bounds something
+    the engine does for the request at each of its steps, on the thread all requests share."""
+    params = parsed.params
+
+    def over(param: str, what: str, cap: int, option: str) -> APIError:
+        return bad_request(f"{what}; this server allows at most {cap} ({option})", param=param,
+                           code=f"{param}_limit")
+
+    if len(params.stop) > limits.max_stop_strings:
+        raise over("stop", f"'stop' has {len(params.stop)} strings", limits.max_stop_strings,
+                   "--max-stop-strings")
+    for i, stop in enumerate(params.stop):
+        if len(stop) > limits.max_stop_string_length:
+            raise over("stop", f"'stop' string {i} is {len(stop)} characters long",
+                       limits.max_stop_string_length, "--max-stop-string-length")
+    if len(params.stop_token_ids) > limits.max_stop_token_ids:
+        raise over("stop_token_ids", f"'stop_token_ids' has {len(params.stop_token_ids)} token ids",
+                   limits.max_stop_token_ids, "--max-stop-token-ids")
+    if params.logit_bias and len(params.logit_bias) > limits.max_logit_bias:
+        raise over("logit_bias", f"'logit_bias' has {len(params.logit_bias)} entries", limits.max_logit_bias,
+                   "--max-logit-bias")
+    # Per generated token: n x (k + 1) entries an iteration. Per prompt token: every prompt
+    # position's k + 1 entries at once, in its prefill and its one answer.
+    if parsed.logprobs is not None and parsed.logprobs > limits.max_logprobs:
+        name = "top_logprobs" if parsed.chat else "logprobs"
+        raise over(name, f"'{name}' is {parsed.logprobs}", limits.max_logprobs, "--max-logprobs")
+    if parsed.prompt_logprobs is not None and parsed.prompt_logprobs > limits.max_prompt_logprobs:
+        raise over("prompt_logprobs", f"'prompt_logprobs' is {parsed.prompt_logprobs}", limits.max_prompt_logprobs,
+                   "--max-prompt-logprobs")
+    if parsed.echo and parsed.logprobs is not None and parsed.logprobs > limits.max_prompt_logprobs:
+        raise over("logprobs", f"'echo' with 'logprobs' {parsed.logprobs} scores every prompt token with that many "
+                   "alternatives", limits.max_prompt_logprobs, "--max-prompt-logprobs")
 
 
 def check_length(request, limits: Limits) -> None:

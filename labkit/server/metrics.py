@@ -85,6 +85,9 @@ def parse_metrics(text: str) -> dict[str, float]:
 KEY_METRICS = [
     ("labkit_key_requests_total", "counter", "requests", "Requests admitted into the engine, per key name."),
     ("labkit_key_prompt_tokens_total", "counter", "prompt_tokens", "Prompt tokens of the key's requests."),
+    ("labkit_key_prompt_tokens_cached_total", "counter", "cached_tokens",
+     "Prompt tokens of the key's requests served from the prefix cache (hits on the key's own prompts "
+     "unless the server shares the cache across keys)."),
     ("labkit_key_generation_tokens_total", "counter", "generation_tokens", "Tokens generated for the key."),
     ("labkit_key_concurrency", "gauge", "concurrency", "Sequences the key has running or waiting (what the cap bounds)."),
     ("labkit_key_queued", "gauge", "queued", "Sequences of the key waiting in the gate for their round-robin turn."),

@@ -10,9 +10,12 @@ and only fields that label a request without changing its output (``user``,
 is an error, as is a value SamplingParams rejects. Extensions beyond OpenAI's fields
 (vLLM's names): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``return_token_ids`` (each choice, and each
-streamed chunk, then carries the ``token_ids`` it adds) and ``prompt_logprobs``
-(not streamed; vLLM's ``prompt_logprobs`` in the answer). ``docs/server_api.md`` has the
-table.
+streamed chunk, then carries the ``token_ids`` it adds), ``prompt_logprobs``
+(not streamed; vLLM's ``prompt_logprobs`` in the answer) and ``cache_salt`` (the
+request's prefix-cache namespace). ``docs/server_api.md`` has the table.
+
+Text must be valid Unicode: a lone UTF-16 surrogate (``"\\ud800"`` in JSON) anywhere in
+the body is a 400 naming the field, before anything reaches the tokenizer.
 
 Log-probabilities come in OpenAI's two shapes, built from the engine's ``Logprob``
 records (raw log-softmax of the model's logits): chat's ``logprobs.content`` (a list of
@@ -91,7 +94,7 @@ COMMON_FIELDS = {
     "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number",
     "logit_bias": "object",
     "ignore_eos": "boolean", "min_tokens": "integer", "stop_token_ids": "list of integers",
-    "return_token_ids": "boolean", "prompt_logprobs": "integer",
+    "return_token_ids": "boolean", "prompt_logprobs": "integer", "cache_salt": "string",
 }
 # Accepted and not used: they label a request (for the caller's own bookkeeping), they
 # do not change what is generated.
@@ -121,14 +124,51 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
 
 
 def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
+    """The request body as a JSON object, or a 400 that says what is wrong with it
+    (including text that is not valid Unicode: ``check_unicode``)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:                # "[[[[..." nested beyond Python's recursion limit
+        raise bad_request("the request body is nested too deeply to be a request") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    # A lone surrogate can only come from a \u escape or from raw surrogate bytes (which
+    # json.loads passes through): without either, there is nothing to look for.
+    if b"\\u" in raw or b"\xed" in raw:
+        check_unicode(body)
     return body
+
+
+def check_unicode(body: dict) -> None:
+    """Refuse (400, naming the field) a string or key holding a lone UTF-16 surrogate:
+    JSON can spell one (``"\\ud800"``), but it is no character, has no UTF-8 form, and
+    the tokenizer would fail on it with a message of its own."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                char = value[e.start]
+                top = re.match(r"[^.\[]*", path).group(0) or None
+                raise bad_request(f"'{path}' is not valid Unicode: it holds a lone UTF-16 surrogate "
+                                  f"(\\u{ord(char):04x}) at character {e.start}; send text as UTF-8 (a surrogate "
+                                  "must come in a high-low pair, which JSON decodes into one character)",
+                                  param=top, code="invalid_unicode") from None
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                stack.append((item, f"{path}.{key}" if path else str(key)))
+                stack.append((key, (f"{path}." if path else "") + "<key>"))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in reversed(list(enumerate(value))))
 
 
 def check_fields(body: dict, fields: dict[str, str | None],
@@ -166,6 +206,8 @@ class Parsed:
     logprobs: int | None = None        # alternatives per token to report (None: no logprobs)
     echo: bool = False                 # completions: the prompt (and its logprobs) comes first
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs, k alternatives
+    chat: bool = False                 # from /v1/chat/completions (names fields, words errors)
+    cache_salt: str | None = None      # vLLM's: the request's own prefix-cache namespace
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -243,6 +285,13 @@ def _logit_bias(bias: dict | None) -> dict[int, float] | None:
     return out
 
 
+def _cache_salt(body: dict) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and not salt:
+        raise bad_request("'cache_salt' must be a non-empty string if provided", param="cache_salt")
+    return salt
+
+
 def _stream_options(body: dict) -> tuple[bool, bool]:
     stream = bool(body.get("stream"))
     options = body.get("stream_options") or {}
@@ -275,7 +324,7 @@ def parse_completion(body: dict) -> Parsed:
                                     renames={"prompt_logprobs": "logprobs"})
     return Parsed(body.get("model"), prompts, params, stream, include_usage,
                   bool(body.get("return_token_ids")), fill, logprobs=logprobs, echo=echo,
-                  prompt_logprobs=asked)
+                  prompt_logprobs=asked, cache_salt=_cache_salt(body))
 
 
 def parse_chat(body: dict) -> Parsed:
@@ -312,7 +361,8 @@ def parse_chat(body: dict) -> Parsed:
                                     logprobs=logprobs, prompt_logprobs=asked,
                                     renames={"logprobs": "top_logprobs"})
     return Parsed(body.get("model"), [conversation], params, stream, include_usage,
-                  bool(body.get("return_token_ids")), fill, logprobs=logprobs, prompt_logprobs=asked)
+                  bool(body.get("return_token_ids")), fill, logprobs=logprobs, prompt_logprobs=asked,
+                  chat=True, cache_salt=_cache_salt(body))
 
 
 # ---- responses ------------------------------------------------------------------------
@@ -324,9 +374,12 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV
+    came from the prefix cache (always there, 0 on a miss, as OpenAI sends it)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def sse(data: dict | str) -> str:

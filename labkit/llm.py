@@ -29,7 +29,7 @@ from .model.loader import load_model
 from .model.runner import ModelRunner
 from .openmp import warn_if_too_late
 from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput, error_output, request_output
-from .request import Request, encode_prompt, is_token_id
+from .request import Request, encode_prompt, is_token_id, split_prompt
 from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import POLICIES, PREEMPTION_MODES, make_scheduler
 from .utils import progress_bar
@@ -198,14 +198,15 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"expected BeamSearchParams, got {type(params).__name__}")
         params.validate()
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_token_id(prompts[0])):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and is_token_id(prompts[0])):
             prompts = [prompts]
         encoded = [encode_prompt(prompt, self.tokenizer) for prompt in prompts]
         entries: list[Request | BeamSearchOutput] = []
-        for text, ids in encoded:
+        for prompt, (text, ids) in zip(prompts, encoded):
             request_id = str(next(self._ids))
             try:
-                entries.append(self.engine.add_request(ids, params, request_id=request_id, prompt=text))
+                entries.append(self.engine.add_request(ids, params, request_id=request_id, prompt=text,
+                                                       cache_salt=split_prompt(prompt)[1]))
             except ValueError as e:
                 warnings.warn(f"labkit: request rejected: {e}", stacklevel=2)
                 entries.append(BeamSearchOutput(request_id, text, list(ids), [], error=str(e)))
@@ -247,10 +248,11 @@ class LLM:
             p.validate()
         encoded = [encode_prompt(prompt, self.tokenizer) for prompt in prompts]
         out: list[Request | RequestOutput] = []
-        for (text, ids), p in zip(encoded, params):
+        for prompt, (text, ids), p in zip(prompts, encoded, params):
             request_id = str(next(self._ids))
             try:
-                out.append(self.engine.add_request(ids, p, request_id=request_id, prompt=text))
+                out.append(self.engine.add_request(ids, p, request_id=request_id, prompt=text,
+                                                   cache_salt=split_prompt(prompt)[1]))
             except ValueError as e:
                 warnings.warn(f"labkit: request rejected: {e}", stacklevel=3)
                 out.append(error_output(request_id, text, ids, str(e), self.engine.now))
@@ -287,10 +289,12 @@ class LLM:
 
 
 def pair_prompts_with_params(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
-    """``generate``'s arguments as vLLM takes them: one prompt (text or token ids) or a list
-    of them, and one SamplingParams for all (None: the defaults) or one each.
-    Returns two lists of equal length; a count or type mismatch is a ValueError."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_token_id(prompts[0])):
+    """``generate``'s arguments as vLLM takes them: one prompt (text, token ids, or a prompt
+    dict ``{"prompt": text}``/``{"prompt_token_ids": ids}`` with an optional ``"cache_salt"``:
+    ``request.split_prompt``) or a list of them, and one SamplingParams for all (None: the
+    defaults) or one each. Returns two lists of equal length; a count or type mismatch is a
+    ValueError."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and is_token_id(prompts[0])):
         prompts = [prompts]
     prompts = list(prompts)
     sampling_params = SamplingParams() if sampling_params is None else sampling_params

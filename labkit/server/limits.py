@@ -20,7 +20,7 @@ What one client can cost the server, and where each cost is bounded:
 | opens very many requests                 | the per-key cap (``fairness.py``)       | 429 + Retry-After   |
 | opens very many connections              | ``max_connections``                     | 503                 |
 | keeps a connection open and idle         | ``keep_alive_timeout_s``                | connection closed   |
-| is refused (401, 413, 429) mid-upload    | the refusal closes the connection       | the rest of the body is never read |
+| is refused (401, 413, 429) mid-upload    | the refusal closes the connection       | the body is not read |
 
 Each per-request cap bounds work the engine does for that request on *every* iteration,
 on the thread every other request waits for (``docs/server_api.md``, "What a request may

@@ -26,10 +26,15 @@ Conventions the notebooks follow (and the tests check):
   grader from ``labkit.exercises``, which raises ``AssertionError`` with a hint on a wrong
   answer. A student notebook run top to bottom may fail in stub and check cells only:
   other cells never use an exercise's answer;
-* the first code cell is the **install cell**, ``install_cell()``: on Colab and wherever
-  labkit is not installed, it installs labkit from ``LABKIT_SOURCE`` (this module's constant,
-  or the environment variable of that name at run time). ``colab`` writes it into every
-  solution; ``check`` fails when one differs;
+* a notebook opens on its title: its first cell is the markdown cell with the chapter's ``#``
+  heading, and the **install cell**, ``install_cell()``, comes right after it as the first code
+  cell. On Colab and wherever labkit is not installed, it installs labkit from
+  ``LABKIT_SOURCE`` (this module's constant, or the environment variable of that name at run
+  time), and where that source cannot be reached it fails at once, saying what to set and
+  where the wheel comes from. ``colab`` writes it into every solution; ``check`` fails when
+  one differs or stands elsewhere;
+* a notebook imports labkit before torch (``import labkit`` sets how OpenMP's threads wait,
+  which only works before torch loads): ``torch_before_labkit`` finds a cell that does not;
 * cells whose output varies from run to run (plots, widgets, timings) start with
   ``# NBVAL_IGNORE_OUTPUT``; grading runs ``pytest --nbval-lax``, which compares no
   output anyway, so a cell fails only by raising.
@@ -39,7 +44,7 @@ Commands (from the repository root)::
     python -m labkit.notebooks generate   # write notebooks/ from solutions/
     python -m labkit.notebooks check      # exit 1 if notebooks/ is stale or anything stores outputs
     python -m labkit.notebooks strip      # strip outputs and widget state from solutions/ in place
-    python -m labkit.notebooks colab      # write the install cell (INSTALL_CELL) first in every solution
+    python -m labkit.notebooks colab      # write the install cell (INSTALL_CELL) after every solution's title
     python -m labkit.notebooks verify submissions/   # students' check cells unchanged?
 """
 
@@ -79,17 +84,23 @@ DEFAULT_KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "pytho
 LABKIT_SOURCE = "git+https://github.com/labkit-lab/labkit"
 
 INSTALL_CELL = """\
-# Where labkit is not installed yet (Colab, Kaggle, ...): install it, keeping the runtime's own
-# torch, triton and ipywidgets. It comes from $LABKIT_SOURCE when that is set (a wheel's path or
-# URL, or a pip Git URL), else from the course's default below. Under `make lab` this does nothing.
-import importlib.util, os, pathlib, sys
+# Colab, Kaggle, any runtime without labkit: install it (under `make lab` this does nothing), from
+# $LABKIT_SOURCE when set (your course's labkit wheel: a path or URL), else from the course default.
+import importlib.util, os, pathlib, re, sys, urllib.request
 spec = importlib.util.find_spec("labkit")
 if spec is None or spec.origin is None:        # (a cloned folder named labkit is not the package)
-    LABKIT_SOURCE = os.environ.get("LABKIT_SOURCE", @SOURCE@)
-    if "://" not in LABKIT_SOURCE:             # a wheel on this machine's disk
-        LABKIT_SOURCE = pathlib.Path(LABKIT_SOURCE).resolve().as_uri()
-    print("installing labkit from", LABKIT_SOURCE)
-    %pip install -q "labkit[lab,serve] @ {LABKIT_SOURCE}"
+    src = os.environ.get("LABKIT_SOURCE", @SOURCE@)
+    src = src if "://" in src else pathlib.Path(src).resolve().as_uri()
+    try:                                       # reachable? fail now, not after pip's retries
+        urllib.request.urlopen(re.sub(r"^git\\+|@[\\w.-]+$", "", src), timeout=10).close()
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"cannot reach {src} ({e}). Set LABKIT_SOURCE to your course's labkit wheel "
+                           "(an instructor builds it with `make dist`), e.g. os.environ['LABKIT_SOURCE'] "
+                           "= '/content/labkit-0.1.0-py3-none-any.whl', then run this cell again.") from None
+    %pip install -q "labkit[lab,serve] @ {src}"
+    if globals().get("_exit_code"):
+        raise RuntimeError(f"pip could not install labkit from {src}: its message is above.")
+    importlib.invalidate_caches()
 if "google.colab" in sys.modules:
     import plotly.io as pio
     pio.renderers.default = "colab"\
@@ -104,7 +115,33 @@ def install_cell(source: str = LABKIT_SOURCE) -> str:
 def is_install_cell(cell) -> bool:
     """A code cell that pip-installs labkit (the template's, or an older or hand-made one)."""
     src = _source(cell)
-    return cell.get("cell_type") == "code" and "%pip install" in src and "labkit" in src
+    return cell.get("cell_type") == "code" and "pip install" in src and "labkit" in src
+
+
+def is_title_cell(cell) -> bool:
+    """A markdown cell that opens with a level-1 heading (``# Chapter 3 — Sharing``)."""
+    return cell.get("cell_type") == "markdown" and _source(cell).lstrip().startswith("# ")
+
+
+#: An import of torch, or of a package that loads it (and with it OpenMP's runtime).
+_TORCH_IMPORT = re.compile(r"^\s*(?:import|from)\s+(torch|transformers|triton|vllm)\b", re.MULTILINE)
+_LABKIT_IMPORT = re.compile(r"^\s*(?:import|from)\s+labkit\b", re.MULTILINE)
+
+
+def torch_before_labkit(nb) -> int | None:
+    """The index of the first code cell that imports torch (or transformers, triton, vllm)
+    before any cell, or any earlier line of that cell, imports labkit; None when labkit comes
+    first everywhere."""
+    for index, cell in enumerate(nb.cells):
+        if cell.get("cell_type") != "code":
+            continue
+        src = _source(cell)
+        torch_at, labkit_at = _TORCH_IMPORT.search(src), _LABKIT_IMPORT.search(src)
+        if labkit_at and (torch_at is None or labkit_at.start() < torch_at.start()):
+            return None
+        if torch_at:
+            return index
+    return None
 
 
 class NotebookError(ValueError):
@@ -305,10 +342,11 @@ def check(paths: Paths) -> list[str]:
         nb = read(path)
         for p in stored_state(nb):
             problems.append(f"solutions/{path.name}: {p} (python -m labkit.notebooks strip)")
-        first = next((c for c in nb.cells if c.cell_type == "code"), None)
-        if first is not None and is_install_cell(first) and first.source != install_cell():
-            problems.append(f"solutions/{path.name}: its first cell differs from the install cell "
-                            "(python -m labkit.notebooks colab, then generate)")
+        problems += [f"solutions/{path.name}: {p}" for p in install_cell_problems(nb)]
+        torch_first = torch_before_labkit(nb)
+        if torch_first is not None:
+            problems.append(f"solutions/{path.name}: cell {torch_first} imports torch before labkit is imported "
+                            "(import labkit first: it sets how OpenMP's threads wait, before torch loads)")
     present = {p.name for p in paths.notebooks.glob("*.ipynb")} if paths.notebooks.is_dir() else set()
     for name, text in expected.items():
         target = paths.notebooks / name
@@ -334,20 +372,42 @@ def strip(paths: Paths) -> list[str]:
     return changed
 
 
+def install_cell_problems(nb, source: str = LABKIT_SOURCE) -> list[str]:
+    """How ``nb`` breaks the install-cell convention: its title first, the install cell
+    (``install_cell(source)``) right after it as the first code cell."""
+    if not nb.cells or not is_title_cell(nb.cells[0]):
+        return ["it does not open on its title (a markdown cell starting with '# ')"]
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    if not code or not is_install_cell(nb.cells[code[0]]):
+        return ["its first code cell is not the install cell (python -m labkit.notebooks colab, then generate)"]
+    problems = []
+    if code[0] != 1:
+        problems.append("the install cell does not come right after the title (python -m labkit.notebooks colab)")
+    if nb.cells[code[0]].source != install_cell(source):
+        problems.append("its install cell differs from install_cell() (python -m labkit.notebooks colab, then "
+                        "generate)")
+    return problems
+
+
 def colab(paths: Paths, source: str = LABKIT_SOURCE) -> list[str]:
-    """Make every solution's first code cell the install cell (``install_cell(source)``):
-    an existing install cell is replaced, otherwise one is inserted first. Returns the names
-    changed. ``generate`` then carries it into ``notebooks/``."""
+    """Make every solution open on its title, followed by the install cell
+    (``install_cell(source)``): an existing install cell is replaced and moved there, otherwise
+    one is inserted. Returns the names changed. ``generate`` then carries it into ``notebooks/``."""
     changed = []
     for path in paths.solution_files():
         nb = read(path)
-        code = [c for c in nb.cells if c.cell_type == "code"]
-        if code and is_install_cell(code[0]):
-            code[0].source = install_cell(source)
+        old = next((c for c in nb.cells if is_install_cell(c)), None)
+        if old is not None:
+            nb.cells.remove(old)
+            cell = old
         else:
-            cell = nbformat.v4.new_code_cell(install_cell(source))
+            cell = nbformat.v4.new_code_cell()
             cell.id = hashlib.sha1(f"{path.stem}/install".encode()).hexdigest()[:8]
-            nb.cells.insert(0, cell)
+        cell.source = install_cell(source)
+        title = next((i for i, c in enumerate(nb.cells) if is_title_cell(c)), None)
+        if title is not None and title != 0:
+            nb.cells.insert(0, nb.cells.pop(title))
+        nb.cells.insert(1 if title is not None else 0, cell)
         text = dumps(nb)
         if text != path.read_text(encoding="utf-8"):
             path.write_text(text, encoding="utf-8")

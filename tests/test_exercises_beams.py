@@ -11,7 +11,9 @@ are derived from them, never typed in.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from labkit.exercises import beams as E
 from labkit.memory import BeamTree
@@ -60,6 +62,7 @@ CH9 = [
     right("9.2", E.check_sampling_saving, lambda: _both(), "fractions"),
     right("9.2", E.check_sampling_saving, lambda: (f"{100 * _saving(2):.2f}%", round(100 * _saving(6), 2)),
           "percents"),
+    right("9.2", E.check_sampling_saving, lambda: (np.float32(_saving(2)), torch.tensor(_saving(6))), "numpy-and-torch"),
     wrong("9.2", E.check_sampling_saving,
           lambda: _both(f2=(2 - 1) * E.EX2_PROMPT / (2 * (E.EX2_PROMPT + E.EX2_OUTPUT))),
           "counts tokens", "tokens-not-blocks"),
@@ -70,8 +73,10 @@ CH9 = [
           "not by those they hold", "divided-by-physical"),
     wrong("9.2", E.check_sampling_saving, lambda: _both(f6=5 / 6), "Only the prompt is shared",
           "everything-shared-but-one"),
-    wrong("9.2", E.check_sampling_saving, lambda: _both(f2=_saving(2) / 100), "100× too small",
+    wrong("9.2", E.check_sampling_saving, lambda: _both(f2=_saving(2) / 100), "divided by 100 once too often",
           "percent-divided-twice"),
+    wrong("9.2", E.check_sampling_saving, lambda: _both(f2=16, f6=26), "3 significant figures", "whole-percents"),
+    right("9.2", E.check_sampling_saving, lambda: (f"{100 * _saving(2):.3g}%", f"{_saving(6):.3g}"), "3-figures"),
     wrong("9.2", E.check_sampling_saving, lambda: _both(f2=_saving(6), f6=_saving(2)), "look swapped",
           "widths-swapped"),
     wrong("9.2", E.check_sampling_saving, lambda: _both(f6=-0.2), "negative", "negative"),
@@ -80,14 +85,13 @@ CH9 = [
     right("9.3", E.check_swap_crossover, lambda: (f"{E.crossover_expected()}",), "string"),
     right("9.3", E.check_swap_crossover, lambda: (float(E.crossover_expected()),), "float"),
     wrong("9.3", E.check_swap_crossover, lambda: (_mistake(lambda b: E.swap_time(b, both_ways=False)),),
-          "copy in as well", "swap-out-only"),
+          "both copies", "swap-out-only"),
     wrong("9.3", E.check_swap_crossover, lambda: (_mistake(lambda b: E.swap_time(b, _link(latency_s=0.0))),),
           "fixed cost", "bandwidth-only"),
     wrong("9.3", E.check_swap_crossover, lambda: (_mistake(lambda b: E.swap_time(b, _link(transfers_per_block=1))),),
           "not one transfer", "one-transfer-per-block"),
-    wrong("9.3", E.check_swap_crossover, lambda: (E.EX3_BLOCK_SIZES[-1],), "smallest block size",
+    wrong("9.3", E.check_swap_crossover, lambda: (E.EX3_BLOCK_SIZES[-1],), "For each block size",
           "cheapest-not-first-cheaper"),
-    wrong("9.3", E.check_swap_crossover, lambda: (_below(),), "recomputation still wins", "one-size-too-small"),
     wrong("9.3", E.check_swap_crossover, lambda: (24,), "not one of the block sizes", "not-a-listed-size"),
     wrong("9.3", E.check_swap_crossover, lambda: ("16 KiB",), "block_size", "a-unit"),
 ]
@@ -104,10 +108,6 @@ def _mistake(cost) -> int:
     found = E._first_cheaper(cost)
     assert found is not None and found != E.crossover_expected(), "this mistake no longer gives a wrong answer"
     return found
-
-
-def _below() -> int:
-    return max(b for b in E.EX3_BLOCK_SIZES if b < E.crossover_expected())
 
 
 def forms(exercise: str) -> tuple[str, ...]:

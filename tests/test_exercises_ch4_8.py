@@ -23,6 +23,7 @@ import types
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +31,7 @@ from labkit.exercises import batching as B
 from labkit.exercises import disagg as D
 from labkit.exercises import kernels as K
 from labkit.exercises import serving as S
+from labkit.exercises._grading import fmt, sig
 from labkit.sim import TraceRequest, simulate
 from test_answer_leaks import find_form
 
@@ -75,7 +77,8 @@ def run_case(case: Case, capsys) -> None:
         case.grader(*args)
     message = str(info.value)
     assert message.strip(), "an empty failure message teaches nothing"
-    given = " ".join([*map(str, args), *(f"{a:g}" for a in args if isinstance(a, (int, float)))])
+    given = " ".join([*map(str, args), *(form for a in args if isinstance(a, (int, float))
+                                         for form in (f"{a:g}", fmt(a), sig(a)))])
     # ^ echoing the student's own answer back is fine
     for form in forms(case.exercise):
         if find_form(given, form) is None:
@@ -97,43 +100,51 @@ def _ratios():
 
 CH4 = [
     right("4.1", B.check_static_batch, lambda: (40, 0.55), "fraction"),
-    right("4.1", B.check_static_batch, lambda: ("40", "55%"), "strings-with-percent"),
+    right("4.1", B.check_static_batch, lambda: ("40", "55.0%"), "strings-with-percent"),
     right("4.1", B.check_static_batch, lambda: (40.0, 55), "bare-percent"),
     right("4.1", B.check_static_batch, lambda: (40, 88 / 160), "unrounded"),
-    wrong("4.1", B.check_static_batch, lambda: (41, 0.55), "no extra prefill", "counts-a-separate-prefill-iteration"),
-    wrong("4.1", B.check_static_batch, lambda: (39, 0.55), "One short", "forgets-the-first-iteration's-token"),
+    right("4.1", B.check_static_batch, lambda: (np.int64(40), np.float32(0.55)), "numpy-scalars"),
+    wrong("4.1", B.check_static_batch, lambda: (41, 0.55), "produces no token", "counts-a-separate-prefill-iteration"),
+    wrong("4.1", B.check_static_batch, lambda: (39, 0.55), "produces no token", "forgets-the-first-iteration's-token"),
     wrong("4.1", B.check_static_batch, lambda: (30, 0.55), "When does a static batch end", "a-guess"),
     wrong("4.1", B.check_static_batch, lambda: (88, 0.55), "side by side", "runs-requests-one-after-another"),
     wrong("4.1", B.check_static_batch, lambda: (8, 0.55), "does not end when its first", "batch-ends-with-first-request"),
     wrong("4.1", B.check_static_batch, lambda: (40, 0.45), "idle share", "gives-the-idle-share"),
     wrong("4.1", B.check_static_batch, lambda: (40, 0.25), "4 per iteration", "one-slot-per-token"),
     wrong("4.1", B.check_static_batch, lambda: (40, 0.2), "until its own last token", "counts-only-while-all-run"),
-    wrong("4.1", B.check_static_batch, lambda: (40, 0.0055), "Count the slots", "percent-divided-by-100-twice"),
+    wrong("4.1", B.check_static_batch, lambda: (40, 0.0055), "divided by 100 once too often",
+          "percent-divided-by-100-twice"),
+    wrong("4.1", B.check_static_batch, lambda: (40, 88 / 164), "without a separate prefill", "busy-with-a-prefill-iteration"),
     right("4.2", B.check_preemption_free_pool, lambda: (_pool_curve()[0],), "int"),
     right("4.2", B.check_preemption_free_pool, lambda: (str(_pool_curve()[0]),), "string"),
     right("4.2", B.check_preemption_free_pool, lambda: (float(_pool_curve()[0]),), "float"),
-    wrong("4.2", B.check_preemption_free_pool, lambda: (_pool_curve()[1],), "larger pool in the range still preempts",
+    wrong("4.2", B.check_preemption_free_pool, lambda: (_pool_curve()[1],), "does not fall steadily",
           "first-preemption-free-pool-from-below"),
-    wrong("4.2", B.check_preemption_free_pool, lambda: (_pool_curve()[2],), "preempts", "a-pool-that-preempts"),
-    wrong("4.2", B.check_preemption_free_pool, lambda: (_pool_curve()[0] + 1,), "look lower", "one-above"),
-    wrong("4.2", B.check_preemption_free_pool, lambda: (_pool_curve()[0] + 40,), "look lower", "far-above"),
-    wrong("4.2", B.check_preemption_free_pool, lambda: (B.ex42_pools().start - 1,), "cannot even hold",
+    wrong("4.2", B.check_preemption_free_pool, lambda: (_pool_curve()[2],), "Count the preemptions on every pool",
+          "a-pool-that-preempts"),
+    wrong("4.2", B.check_preemption_free_pool, lambda: (_pool_curve()[0] + 1,), "Count the preemptions on every pool",
+          "one-above"),
+    wrong("4.2", B.check_preemption_free_pool, lambda: (B.ex42_pools().stop - 1,), "by construction",
+          "the-top-of-the-range"),
+    wrong("4.2", B.check_preemption_free_pool, lambda: (B.ex42_pools().start - 1,), "not one of the pool sizes",
           "smaller-than-the-longest-request"),
-    wrong("4.2", B.check_preemption_free_pool, lambda: (B.ex42_pools().stop + 50,), "beyond",
-          "reserves-every-request-at-full-length"),
+    wrong("4.2", B.check_preemption_free_pool, lambda: (B.ex42_pools().stop + 50,), "not one of the pool sizes",
+          "beyond-the-range"),
     right("4.3", B.check_speedups, lambda: (_ratios()["cpu"], _ratios()["gpu"]), "floats"),
-    right("4.3", B.check_speedups, lambda: (f"{_ratios()['cpu']:.2f}", f"{_ratios()['gpu']:.2f}"), "rounded-strings"),
-    right("4.3", B.check_speedups, lambda: (f"{_ratios()['cpu']:.3f}×", f"{_ratios()['gpu']:.3f}x"), "written-as-speedups"),
+    right("4.3", B.check_speedups, lambda: (f"{_ratios()['cpu']:.3g}", f"{_ratios()['gpu']:.3g}"), "3-figure-strings"),
+    right("4.3", B.check_speedups, lambda: (f"{_ratios()['cpu']:.4f}×", f"{_ratios()['gpu']:.4f}x"), "written-as-speedups"),
     wrong("4.3", B.check_speedups, lambda: (1 / _ratios()["cpu"], 1 / _ratios()["gpu"]), "static over continuous",
           "divides-static-by-continuous"),
     wrong("4.3", B.check_speedups, lambda: (_ratios()["gpu"], _ratios()["cpu"]), "other cost model",
           "swaps-the-cost-models"),
     wrong("4.3", B.check_speedups, lambda: (_ratios()["cpu"], _ratios()["cpu"]), "other cost model",
           "default-cost-model-twice"),
-    wrong("4.3", B.check_speedups, lambda: (_ratios()["cpu"] - 1, _ratios()["gpu"] - 1), "Simulate",
+    wrong("4.3", B.check_speedups, lambda: (_ratios()["cpu"] - 1, _ratios()["gpu"] - 1), "how much more",
           "gives-the-gain-not-the-ratio"),
     wrong("4.3", B.check_speedups, lambda: (100 * _ratios()["cpu"], _ratios()["gpu"]), "Simulate",
           "gives-a-percent"),
+    wrong("4.3", B.check_speedups, lambda: (f"{_ratios()['cpu']:.1f}", _ratios()["gpu"]), "3 significant figures",
+          "one-decimal"),
 ]
 
 
@@ -339,7 +350,8 @@ def _plan():
 
 CH7 = [
     right("7.1", D.check_ridge_point, lambda: (D.ridge_expected(),), "float"),
-    right("7.1", D.check_ridge_point, lambda: (f"{D.ridge_expected():.0f}",), "rounded-string"),
+    right("7.1", D.check_ridge_point, lambda: (f"{D.ridge_expected():.3g}",), "3-figure-string"),
+    right("7.1", D.check_ridge_point, lambda: (np.float64(D.ridge_expected()),), "numpy"),
     wrong("7.1", D.check_ridge_point,
           lambda: (_cm().hardware.peak_flops * _cm().model.dtype_bytes / (2 * _cm().hardware.peak_bandwidth),),
           "datasheet peaks", "uses-the-datasheet-peaks"),
@@ -347,44 +359,53 @@ CH7 = [
           "forgets-the-bytes-per-weight"),
     wrong("7.1", D.check_ridge_point, lambda: (D.ridge_expected() * 2,), "multiply and an add",
           "one-flop-per-weight"),
-    wrong("7.1", D.check_ridge_point, lambda: (_cm().bandwidth / _cm().flops,), "Write down", "inverts-the-ratio"),
-    wrong("7.1", D.check_ridge_point, lambda: (32,), "Write down", "answers-the-decode-batch"),
+    wrong("7.1", D.check_ridge_point, lambda: (_cm().bandwidth / _cm().flops,), "bytes per FLOP", "inverts-the-ratio"),
+    wrong("7.1", D.check_ridge_point, lambda: (32,), "3 significant figures", "answers-the-decode-batch"),
+    wrong("7.1", D.check_ridge_point, lambda: (f"{D.ridge_expected():.2g}",), "3 significant figures", "two-figures"),
     right("7.2", D.check_prefill_doubling, lambda: (D.doubling_expected(),), "int"),
     right("7.2", D.check_prefill_doubling, lambda: (f"{D.doubling_expected():,}",), "string-with-comma"),
-    wrong("7.2", D.check_prefill_doubling, lambda: (D.doubling_expected() - 1,), "only", "one-below"),
-    wrong("7.2", D.check_prefill_doubling, lambda: (round(D.cost_model().ridge_tokens()) - 40,), "ridge point",
+    wrong("7.2", D.check_prefill_doubling, lambda: (D.doubling_expected() - 1,), "Time the iteration", "one-below"),
+    wrong("7.2", D.check_prefill_doubling, lambda: (round(D.cost_model().ridge_tokens()) - 40,), "Time the iteration",
           "stops-at-the-ridge-point"),
     wrong("7.2", D.check_prefill_doubling, lambda: (D._doubling_mistakes()[0][0],), "alone",
           "times-the-prompt-alone"),
-    wrong("7.2", D.check_prefill_doubling, lambda: (D.doubling_expected() * 2,), "smaller prompt", "far-above"),
-    wrong("7.2", D.check_prefill_doubling, lambda: (0,), "only", "zero"),
+    wrong("7.2", D.check_prefill_doubling, lambda: (_mistake_of(D._doubling_mistakes(), "32 decodes, not one"),),
+          "32 decodes, not one", "compares-with-one-decode"),
+    wrong("7.2", D.check_prefill_doubling, lambda: (D.doubling_expected() * 2,), "Time the iteration", "far-above"),
+    wrong("7.2", D.check_prefill_doubling, lambda: (0,), "Time the iteration", "zero"),
     right("7.3", D.check_chunk_budget, lambda: (D.chunk_budget_expected(),), "exact"),
-    right("7.3", D.check_chunk_budget, lambda: (D.chunk_budget_expected() - 8,), "scan-in-steps-of-8"),
     right("7.3", D.check_chunk_budget, lambda: (str(D.chunk_budget_expected()),), "string"),
-    wrong("7.3", D.check_chunk_budget, lambda: (D.chunk_budget_expected() + 1,), "over the 20 ms SLO", "one-above"),
-    wrong("7.3", D.check_chunk_budget, lambda: (_first_chunk_only_budget(),), "not the first",
+    wrong("7.3", D.check_chunk_budget, lambda: (D.chunk_budget_expected() + 1,), "For one budget", "one-above"),
+    wrong("7.3", D.check_chunk_budget, lambda: (D.chunk_budget_expected() - 8,), "For one budget", "a-scan-in-steps-of-8"),
+    wrong("7.3", D.check_chunk_budget, lambda: (_first_chunk_only_budget(),), "not the slowest",
           "times-only-the-first-chunk"),
-    wrong("7.3", D.check_chunk_budget, lambda: (D.chunk_budget_expected() // 2,), "largest", "half"),
-    wrong("7.3", D.check_chunk_budget, lambda: (D.chunk_budget_expected() - D.EX3_BATCH,), "decodes included",
+    wrong("7.3", D.check_chunk_budget, lambda: (D.chunk_budget_expected() // 2,), "For one budget", "half"),
+    wrong("7.3", D.check_chunk_budget, lambda: (D.chunk_budget_expected() - D.EX3_BATCH,), "decodes .*included",
           "gives-the-chunk-not-the-budget"),
     wrong("7.3", D.check_chunk_budget, lambda: (D.EX3_BATCH,), "no room", "budget-of-only-the-decodes"),
-    wrong("7.3", D.check_chunk_budget, lambda: (D.EX3_BATCH + D.EX3_PROMPT,), "over the 20 ms SLO",
+    wrong("7.3", D.check_chunk_budget, lambda: (D.EX3_BATCH + D.EX3_PROMPT,), "whole prompt in one iteration",
           "the-whole-prompt-at-once"),
     right("7.4", D.check_instance_plan, lambda: (_plan().num_prefill, _plan().num_decode), "ints"),
     right("7.4", D.check_instance_plan, lambda: (str(_plan().num_prefill), float(_plan().num_decode)), "mixed-forms"),
     wrong("7.4", D.check_instance_plan,
           lambda: (math.ceil(D.PROBLEM.rate * _plan().prefill_time_s), _plan().num_decode), "Poisson arrivals queue",
           "forgets-the-queueing-delay"),
-    wrong("7.4", D.check_instance_plan, lambda: (1, _plan().num_decode), "utilization", "one-prefill-instance"),
-    wrong("7.4", D.check_instance_plan, lambda: (_plan().num_prefill + 1, _plan().num_decode), "fewer do too",
+    wrong("7.4", D.check_instance_plan, lambda: (_plan().num_prefill + 1, _plan().num_decode), "Step 1",
           "one-prefill-instance-too-many"),
-    wrong("7.4", D.check_instance_plan, lambda: (_plan().num_prefill, _plan().num_decode - 1), "more are needed",
-          "too-few-decode-instances"),
-    wrong("7.4", D.check_instance_plan, lambda: (_plan().num_prefill, _plan().num_decode + 2), "fewer are needed",
+    wrong("7.4", D.check_instance_plan, lambda: (_plan().num_prefill, _plan().num_decode - 1), "one request's tokens",
+          "one-requests-tokens-per-second"),
+    wrong("7.4", D.check_instance_plan, lambda: (_plan().num_prefill, _plan().num_decode + 2), "Step 2|Several",
           "too-many-decode-instances"),
+    wrong("7.4", D.check_instance_plan, lambda: (_plan().num_prefill, _mistake_of(D._plan_mistakes()[1], "by sequences")),
+          "divides tokens per second by sequences", "tokens-per-second-over-sequences"),
     wrong("7.4", D.check_instance_plan, lambda: (0, 0), "at least one instance", "zeros"),
     wrong("7.4", D.check_instance_plan, lambda: (_plan().num_prefill, 0), "at least one instance", "no-decode-pool"),
 ]
+
+
+def _mistake_of(mistakes, words: str) -> int:
+    """The answer of the declared mistake whose hint says ``words`` (it must differ from the answer)."""
+    return next(int(value) for value, hint in mistakes if words in hint)
 
 
 # ---- chapter 8 ------------------------------------------------------------------------------------
@@ -392,6 +413,11 @@ TTFTS = [0.10, 0.12, 0.15, 0.30, 0.45, 0.60, 0.80, 1.00]
 TIMINGS = [{"id": f"user-{i}", "sent": 0.5 * i, "first_token": 0.5 * i + t, "done": 0.5 * i + t + 1.5 + 0.1 * i}
            for i, t in enumerate(TTFTS)]
 MEDIAN = statistics.median(TTFTS)
+
+
+def _timing_objects():
+    """The same timings as objects with attributes (a dataclass a student's client might keep)."""
+    return [types.SimpleNamespace(**t) for t in TIMINGS]
 
 
 @functools.lru_cache(maxsize=None)
@@ -433,7 +459,10 @@ CH8 = [
     right("8.1", S.check_ttft_p50, lambda: (MEDIAN, TIMINGS), "seconds"),
     right("8.1", S.check_ttft_p50, lambda: (f"{MEDIAN * 1e3:.1f} ms", TIMINGS), "milliseconds-with-unit"),
     right("8.1", S.check_ttft_p50, lambda: (f"{MEDIAN} s", TIMINGS), "seconds-with-unit"),
-    right("8.1", S.check_ttft_p50, lambda: (round(MEDIAN, 4), TIMINGS), "rounded"),
+    right("8.1", S.check_ttft_p50, lambda: (round(MEDIAN, 3), TIMINGS), "rounded-to-3-figures"),
+    right("8.1", S.check_ttft_p50, lambda: (f"{MEDIAN * 1e3:.3g} ms", TIMINGS), "ms-to-3-figures"),
+    right("8.1", S.check_ttft_p50, lambda: (MEDIAN, [dict(t) for t in TIMINGS] and _timing_objects()), "timing-objects"),
+    wrong("8.1", S.check_ttft_p50, lambda: (0.38, TIMINGS), "3 significant figures", "two-figures"),
     wrong("8.1", S.check_ttft_p50, lambda: (sorted(TTFTS)[3], TIMINGS), "lower of the two middle values",
           "lower-middle-value"),
     wrong("8.1", S.check_ttft_p50, lambda: (sorted(TTFTS)[4], TIMINGS), "upper of the two middle values",
@@ -446,7 +475,10 @@ CH8 = [
           "median-streaming-time"),
     wrong("8.1", S.check_ttft_p50, lambda: (statistics.median(t["first_token"] for t in TIMINGS), TIMINGS),
           "subtract each request's own send time", "forgets-the-send-time"),
-    wrong("8.1", S.check_ttft_p50, lambda: (MEDIAN * 1e3, TIMINGS), "milliseconds", "bare-milliseconds"),
+    wrong("8.1", S.check_ttft_p50, lambda: (MEDIAN * 1e3, TIMINGS), "unit mix-up.*read in seconds",
+          "bare-milliseconds"),
+    wrong("8.1", S.check_ttft_p50, lambda: (f"{MEDIAN} ms", TIMINGS), "unit mix-up.*You wrote ms",
+          "seconds-labelled-ms"),
     wrong("8.1", S.check_ttft_p50, lambda: (-MEDIAN, TIMINGS), "negative.*wrong way round", "subtracts-the-wrong-way-round"),
     wrong("8.1", S.check_ttft_p50, lambda: (MEDIAN, []), "no timings", "no-requests-sent-yet"),
     wrong("8.1", S.check_ttft_p50, lambda: ("fast", TIMINGS), "ttft_p50", "words"),
@@ -460,16 +492,22 @@ CH8 = [
           "missing", "a-request-missing"),
     wrong("8.2", S.check_joins, lambda: ({**_joins()[0], "r0": 1}, *_joins()[1:]), "not one of the requests",
           "includes-the-warm-up-request"),
-    wrong("8.2", S.check_joins, lambda: (_joins()[0], _joins()[1] | {"r4"}, *_joins()[2:]), "itself was prefilling",
+    wrong("8.2", S.check_joins, lambda: (_joins()[0], _joins()[1] | {"r4"}, *_joins()[2:]), "itself decoding",
           "counts-the-joining-request"),
+    wrong("8.2", S.check_joins, lambda: ({k: v + 1 for k, v in _joins()[0].items()}, *_joins()[1:]),
+          "first decode", "first-decode-not-first-prefill"),
+    right("8.2", S.check_joins, lambda: (_joins()[0], tuple(_joins()[1]), *_joins()[2:]), "a-tuple"),
+    right("8.2", S.check_joins, lambda: (_joins()[0], np.array(sorted(_joins()[1])), *_joins()[2:]), "an-array"),
+    right("8.2", S.check_joins, lambda: (*_joins()[:2], S.record_facts(_joins()[2]), *_joins()[3:]),
+          "records-as-plain-data"),
     wrong("8.2", S.check_joins, lambda: (_joins("r2")[0], {"r1"}, *_joins("r2")[2:]), "phase was 'decode'",
           "counts-requests-that-were-prefilling"),
-    wrong("8.2", S.check_joins, lambda: (_joins()[0], set(), *_joins()[2:]), "not quite", "nobody"),
+    wrong("8.2", S.check_joins, lambda: (_joins()[0], set(), *_joins()[2:]), "not the right requests", "nobody"),
     wrong("8.2", S.check_joins, lambda: (None, *_joins()[1:]), "expected a dict", "joined-none"),
     wrong("8.2", S.check_joins, lambda: (_joins()[0], "r1", *_joins()[2:]), "expected a set", "shared-with-a-string"),
     wrong("8.2", S.check_joins, lambda: (_joins()[0], [["r1"]], *_joins()[2:]), "expected request ids",
           "shared-with-nested-lists"),
-    wrong("8.2", S.check_joins, lambda: (_joins()[0], None, *_joins()[2:]), "expected a set", "shared-with-none"),
+    wrong("8.2", S.check_joins, lambda: (_joins()[0], None, *_joins()[2:]), "no answer yet", "shared-with-none"),
 ]
 
 
@@ -561,9 +599,9 @@ def test_exercise_4_2_has_exactly_one_right_answer_and_a_trap():
 
 # ---- what the check cells pass besides the answers, overwritten by a student's cell ---------------
 @pytest.mark.parametrize("timings, match", [
-    ([t["first_token"] - t["sent"] for t in TIMINGS], "overwrite `timings`"),   # timings = [ttft, ...]
-    (None, "overwrite `timings`"), ("timings", "overwrite `timings`"), ([{"sent": 0.0}], "'first_token'"),
-    ({"user-0": TIMINGS[0]}, "overwrite `timings`")],
+    ([t["first_token"] - t["sent"] for t in TIMINGS], "overwrite it"),   # timings = [ttft, ...]
+    (None, "overwrite it"), ("timings", "overwrite it"), ([{"sent": 0.0}], "'first_token'"),
+    ({"user-0": TIMINGS[0]}, "overwrite it")],
     ids=["reused-the-name-for-the-ttfts", "none", "string", "a-key-missing", "a-dict"])
 def test_ttft_grader_names_overwritten_timings(timings, match):
     with pytest.raises(AssertionError, match=match):

@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import re
 
+import numpy as np
 import pytest
+import torch
 
 from labkit.exercises import prefix as P
 from labkit.memory import BlockAllocator, BlockTable
@@ -111,19 +113,27 @@ CH10 = [
     right("10.2", P.check_eviction_order, lambda: ([str(b) for b in order()],), "strings"),
     wrong("10.2", P.check_eviction_order, lambda: (hash_order(),), "plain LRU queue over blocks.*leaves only",
           "hash-lru-order-not-leaf-first"),
-    wrong("10.2", P.check_eviction_order, lambda: (list(reversed(order())),), "still hangs below",
+    # Any other wrong answer gets the one method hint: which block is wrong, or that the blocks are
+    # right but not their order, would let the answer be found by trying.
+    wrong("10.2", P.check_eviction_order, lambda: (list(reversed(order())),), "the tree has changed",
           "reversed-order-a-parent-first"),
-    wrong("10.2", P.check_eviction_order, lambda: (most_recent_first(),), "used most recently",
+    wrong("10.2", P.check_eviction_order, lambda: (most_recent_first(),), "longest ago, not most recently",
           "most-recently-used-leaf-first"),
+    wrong("10.2", P.check_eviction_order, lambda: ([order()[0], order()[1], scenario_facts()["last_leaf"][-1]],),
+          "parent may become a leaf", "a-parent-never-becomes-a-leaf"),
+    wrong("10.2", P.check_eviction_order, lambda: (sorted(set(range(P.EX2_POOL)) - set(P._ex2_measured()[2]))[:3],),
+          "not the order in which blocks were first filled", "fifo"),
     wrong("10.2", P.check_eviction_order, lambda: ([order()[0], scenario_facts()["parent_first"], order()[1]],),
-          "Only leaves are evicted", "a-parent-before-its-child"),
+          "the tree has changed", "a-parent-before-its-child"),
     wrong("10.2", P.check_eviction_order, lambda: ([scenario_facts()["held"][0], *order()[:2]],),
-          "held by request D, which is still running", "evicts-a-block-though-held"),
+          "the tree has changed", "evicts-a-block-though-held"),
     wrong("10.2", P.check_eviction_order, lambda: ([order()[0], order()[1], scenario_facts()["held"][-1]],),
-          "reference count > 0", "evicts-a-running-requests-block"),
-    wrong("10.2", P.check_eviction_order, lambda: (ring_order(),), "wrong order", "right-blocks-wrong-order"),
+          "the tree has changed", "evicts-a-running-requests-block"),
+    wrong("10.2", P.check_eviction_order, lambda: (ring_order(),), "the tree has changed", "right-blocks-wrong-order"),
     wrong("10.2", P.check_eviction_order, lambda: ([order()[0], *scenario_facts()["last_leaf"][::-1]],),
-          "not the blocks the tree evicts", "evicts-the-newest-leaf-second"),
+          "the tree has changed", "evicts-the-newest-leaf-second"),
+    right("10.2", P.check_eviction_order, lambda: (np.array(order()),), "numpy-array"),
+    right("10.2", P.check_eviction_order, lambda: (torch.tensor(order()),), "tensor"),
     wrong("10.2", P.check_eviction_order, lambda: (set(order()),), "order matters", "a-set"),
     wrong("10.2", P.check_eviction_order, lambda: (order()[:2],), "expected 3 block ids", "too-few"),
     wrong("10.2", P.check_eviction_order, lambda: ([order()[0]] * 3,), "appears twice", "a-block-twice"),

@@ -62,7 +62,7 @@ def no_leak(c, message: str) -> None:
 # ---- right answers ------------------------------------------------------------------------------
 RIGHT_FORMS = {
     "exact": lambda c: (c.survivors, c.p_top),
-    "p rounded to 3 decimals": lambda c: (c.survivors, round(c.p_top, 3)),
+    "p to 3 significant figures": lambda c: (c.survivors, float(f"{c.p_top:.3g}")),
     "strings": lambda c: (str(c.survivors), f"{c.p_top:.4f}"),
     "numpy scalars": lambda c: (np.int64(c.survivors), np.float32(c.p_top)),
     "count as a float": lambda c: (float(c.survivors), c.p_top),
@@ -100,7 +100,9 @@ MISTAKES = {
                                  "raw distribution"),
     "absolute-threshold": (lambda c: (sum(p >= MIN_P for p in c.raw), c.p_top), "Min-p is relative"),
     "counted-the-reported-tokens": (lambda c: (c.reported, c.p_top), "how many tokens the engine reported"),
-    "left-out-the-top-token": (lambda c: (c.survivors - 1, c.p_top), "always survives"),
+    "left-out-the-top-token": (lambda c: (c.survivors - 1, c.p_top), "Only differences of logprobs matter"),
+    "two-figures": (lambda c: (c.survivors, f"{c.p_top:.2g}" if f"{c.p_top:.2g}" != f"{c.p_top:.3g}" else "0.5"),
+                    "3 significant figures"),
     "raw-probability": (lambda c: (c.survivors, c.raw[0]), "raw probability"),
     "temperature-without-the-cut": (lambda c: (c.survivors, _tempered_no_cut(c)), "forgets the cut"),
     "raw-probabilities-renormalised": (lambda c: (c.survivors, c.raw[0] / sum(c.raw[:c.survivors])),

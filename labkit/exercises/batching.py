@@ -13,7 +13,8 @@ import functools
 from ..sim import TraceRequest, simulate, synthetic_trace
 from ..sim.roofline import roofline
 from ..utils import cdiv
-from ._grading import check_close, fail, graded, passed, read_count, read_fraction, read_ratio
+from ._grading import (check_exact, check_number, check_share, fail, graded, number_forms, passed, read_count,
+                       share_forms, sig)
 
 # ---- exercise 4.1: one static batch --------------------------------------------------------
 EX41_PROMPT = 10
@@ -38,24 +39,23 @@ def _static_batch() -> tuple[int, float]:
 @graded("4.1")
 def check_static_batch(iterations: object, busy_fraction: object) -> None:
     """Exercise 4.1: the four requests of ``ex41_trace()`` form one static batch. How many
-    iterations does it run, and what fraction of its 4 × iterations sequence slots compute
-    a token of a request that has not finished?"""
+    iterations does it run (a count), and what fraction of its 4 × iterations sequence slots
+    compute a token of a request that has not finished (3 significant figures, a fraction or a
+    percent)?"""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     steps, busy = _static_batch()
     longest, total = max(EX41_OUTPUTS), sum(EX41_OUTPUTS)
+    prefill_hint = ("The iteration that computes the prompts also samples each request's first token: is there "
+                    "an iteration that produces no token?")
     n = read_count("iterations", iterations)
-    check_close("iterations", n, steps, rel=0,
-                mistakes=[(longest + 1, "The iteration that computes the prompts also samples each "
-                                        "request's first token: there is no extra prefill iteration."),
+    check_exact("iterations", n, steps,
+                mistakes=[(longest + 1, prefill_hint), (longest - 1, prefill_hint),
                           (total, "The four requests run side by side, not one after another."),
                           (min(EX41_OUTPUTS), "A static batch does not end when its first request "
-                                              "does: it ends with its longest."),
-                          (longest - 1, "One short: the iteration that computes the prompts samples "
-                                        "each request's first token, and it counts.")],
+                                              "does: when does it end?")],
                 hint="When does a static batch end, and how many tokens does a running request get "
                      "per iteration?")
-    f = read_fraction("busy_fraction", busy_fraction)
-    check_close("busy_fraction", f, busy, rel=0.01,
+    check_share("busy_fraction", busy_fraction, busy,
                 mistakes=[(1 - busy, "That is the idle share; the question asks for the busy one."),
                           (total / (4 * (longest + 1)), "Count the iterations without a separate prefill."),
                           (total / (4 * total), "The batch's slots are 4 per iteration of the batch, not "
@@ -66,8 +66,8 @@ def check_static_batch(iterations: object, busy_fraction: object) -> None:
                 hint="Count the slots in which a request that had not finished yet got a token, "
                      "out of all the batch's slots over all its iterations.")
     passed(f"{steps} iterations (the longest request's {longest} tokens); {total} of {4 * steps} "
-           f"sequence slots did work: {busy:.0%}. The other {1 - busy:.0%} held memory and a batch "
-           "slot for requests that had already finished, while others waited.")
+           f"sequence slots did work: {sig(100 * busy)}%. The other {sig(100 * (1 - busy))}% held memory and a "
+           "batch slot for requests that had already finished, while others waited.")
 
 
 # ---- exercise 4.2: the pool from which preemption stops --------------------------------------
@@ -105,6 +105,23 @@ def ex42_expected() -> int:
     return 1 + next((n for n in reversed(pools) if ex42_preemptions(n)), pools.start - 1)
 
 
+def _ex42_mistakes() -> list[tuple[float, str]]:
+    """The pools students answer 4.2 with when they get the idea wrong, and what to say."""
+    pools = ex42_pools()
+    first_free = next((n for n in pools if not ex42_preemptions(n)), None)
+    bs = EX42_SIM["block_size"]
+    everything = sum(_blocks(r, bs) for r in synthetic_trace(**EX42_TRACE))
+    return [
+        (first_free, "That pool happens to avoid preemption, but the count does not fall steadily with the "
+                     "pool size: is every larger pool of the range free of it too?"),
+        (pools.stop - 1, "That is the pool where the longest requests all fit at full length, so nothing can "
+                         "be preempted there by construction; the question asks from which pool on no "
+                         "preemption happens on this trace."),
+        (everything, "That reserves every request's full length at once: static batching's sizing, not "
+                     "what continuous batching needs."),
+    ]
+
+
 @graded("4.2")
 def check_preemption_free_pool(num_blocks: object) -> None:
     """Exercise 4.2: the smallest ``num_blocks`` in ``ex42_pools()`` from which no pool of
@@ -113,23 +130,12 @@ def check_preemption_free_pool(num_blocks: object) -> None:
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     pools = ex42_pools()
     n = read_count("num_blocks", num_blocks)
-    if n < pools.start:
-        fail(f"num_blocks: {n:,} blocks cannot even hold the longest request ({pools.start} blocks); "
-             "simulate refuses such a pool. The range to scan is ex42_pools().")
-    if n >= pools.stop:
-        fail(f"num_blocks: {n:,} is beyond ex42_pools() (up to {pools.stop - 1}), where every pool is "
-             "preemption-free by construction; the answer lies inside the range.")
-    here = ex42_preemptions(n)
-    if here:
-        fail(f"num_blocks: with {n} blocks the scheduler preempts {here} time(s). The answer is a "
-             "pool that does not preempt at all.")
-    if any(ex42_preemptions(m) for m in range(n + 1, pools.stop)):
-        fail(f"num_blocks: {n} blocks serve the trace without preemption, but a larger pool in the range "
-             "still preempts: preemptions do not fall steadily with the pool size. Scan the whole range "
-             "and find where preemption stops for good.")
-    if n > pools.start and not ex42_preemptions(n - 1):
-        fail(f"num_blocks: {n} blocks and every larger pool are preemption-free, but so is a smaller "
-             "pool with no preemption above it: look lower, for where preemption stops for good.")
+    if n not in pools:
+        fail(f"num_blocks: {n:,} is not one of the pool sizes to consider, ex42_pools() = {pools.start} to "
+             f"{pools.stop - 1}.")
+    check_exact("num_blocks", n, ex42_expected(), mistakes=_ex42_mistakes(),
+                hint="Count the preemptions on every pool size of ex42_pools() (each run takes a few "
+                     "hundredths of a second), and find the smallest size from which no larger one preempts.")
     bs = EX42_SIM["block_size"]
     total = sum(_blocks(r, bs) for r in synthetic_trace(**EX42_TRACE))
     below = f"; {n - 1} preempts" if n > pools.start else ""
@@ -166,21 +172,22 @@ def ex43_ratios() -> dict[str, float]:
 def check_speedups(cpu_ratio: object, gpu_ratio: object) -> None:
     """Exercise 4.3: continuous / static output tokens per second on ``EX43_TRACE`` with
     ``EX43_SIM``, under the CPU cost model (the simulator's default) and under the roofline
-    model of Llama-3-8B on an A100."""
+    model of Llama-3-8B on an A100, each to 3 significant figures."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     ratios = ex43_ratios()
     for name, value in (("cpu_ratio", cpu_ratio), ("gpu_ratio", gpu_ratio)):
-        x = read_ratio(name, value)
         expected = ratios[name[:3]]
-        check_close(name, x, expected, rel=0.01,
-                    mistakes=[(1 / expected, "That is static over continuous; divide continuous's "
-                                             "throughput by static's."),
-                              (ratios["gpu" if name == "cpu_ratio" else "cpu"],
-                               "That is the other cost model's ratio.")],
-                    hint="Simulate synthetic_trace(**EX43_TRACE) under both policies with **EX43_SIM "
-                         "and the cost model, and divide metrics['output_tok_per_s'].")
-    passed(f"continuous batching serves this trace {ratios['cpu']:.1f}× faster with the CPU cost model "
-           f"and {ratios['gpu']:.1f}× faster on the A100 roofline: same scheduler, same memory, "
+        check_number(name, value, expected, ratio=True,
+                     mistakes=[(1 / expected, "That is static over continuous; divide continuous's "
+                                              "throughput by static's."),
+                               (ratios["gpu" if name == "cpu_ratio" else "cpu"],
+                                "That is the other cost model's ratio."),
+                               (expected - 1, "That is how much more, not how many times as much: a speedup "
+                                              "is a ratio of the two throughputs.")],
+                     hint="Simulate synthetic_trace(**EX43_TRACE) under both policies with **EX43_SIM "
+                          "and the cost model, and compare metrics['output_tok_per_s'].")
+    passed(f"continuous batching serves this trace {sig(ratios['cpu'])}× faster with the CPU cost model "
+           f"and {sig(ratios['gpu'])}× faster on the A100 roofline: same scheduler, same memory, "
            "different hardware economics.")
 
 
@@ -191,7 +198,7 @@ def answer_forms() -> dict[str, list[str]]:
     pool = ex42_expected()
     ratios = ex43_ratios()
     return {
-        "4.1": [f"{steps} iterations", f"{busy:.0%}", f"{busy * 100:.0f} %", f"busy_fraction = {busy:g}"],
+        "4.1": [f"{steps} iterations", f"busy_fraction = {busy:g}"] + share_forms(busy),
         "4.2": [f"{pool}", f"{pool} blocks"],
-        "4.3": [form for r in ratios.values() for form in (f"{r:.2f}", f"{r:.1f}×", f"{r:.1f}x")],
+        "4.3": [form for r in ratios.values() for n in number_forms(r) for form in (n, f"{n}×", f"{n}x")],
     }

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from ..sim.roofline import RooflineCostModel, batch_shape, roofline
-from ._grading import check_close, fail, graded, passed, read_count, read_number
+from ._grading import check_exact, check_number, fail, graded, number_forms, passed, read_count, sig
 
 MODEL, HARDWARE_NAME = "llama-3-8b", "h100-sxm"
 
@@ -39,16 +39,16 @@ def ridge_expected() -> float:
 def check_ridge_point(tokens: object) -> None:
     """Exercise 7.1: how many tokens must one iteration carry before Llama-3-8B's linear layers
     on an H100 become compute-bound (multiplying the weights takes as long as reading them),
-    with the *achieved* FLOP/s and bandwidth of ``cost_model().hardware``?"""
+    with the *achieved* FLOP/s and bandwidth of ``cost_model().hardware``? To 3 significant
+    figures."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     cm = cost_model()
     hw = cm.hardware
     expected = ridge_expected()
     b = cm.model.dtype_bytes
-    x = read_number("tokens", tokens)
     peak = hw.peak_flops * b / (2 * hw.peak_bandwidth)
-    check_close(
-        "tokens", x, expected, rel=0.03,
+    check_number(
+        "tokens", tokens, expected,
         mistakes=[
             (peak, "That uses the datasheet peaks. Real kernels reach only part of them: use the "
                    "achieved figures, cm.flops and cm.bandwidth (peak x efficiency)."),
@@ -57,13 +57,14 @@ def check_ridge_point(tokens: object) -> None:
             (expected * 2, "Count the FLOPs per weight and token: a multiply and an add."),
             (expected * 2 / b, "Both the FLOPs per weight and the bytes per weight are missing: compare "
                                "a time with a time (FLOPs / FLOP/s and bytes / bytes/s)."),
+            (1 / expected, "That is bytes per FLOP; the ridge is where the two times are equal."),
         ],
         hint="Write down how long the linear layers take to multiply T tokens with the weights, "
              "and how long they take to read the weights once; the ridge is the T where the two are "
              "equal.",
     )
-    passed(f"Exercise 7.1: T = F·bytes / (2·B) = {cm.flops / 1e12:.0f} TFLOP/s × {b} B / (2 × "
-           f"{cm.bandwidth / 1e12:.2f} TB/s) ≈ {expected:.0f} tokens. A decode batch of 32 is far "
+    passed(f"Exercise 7.1: T = F·bytes / (2·B) = {sig(cm.flops / 1e12)} TFLOP/s × {b} B / (2 × "
+           f"{sig(cm.bandwidth / 1e12)} TB/s) = {sig(expected)} tokens. A decode batch of 32 is far "
            "below it (memory-bound: the weights are read for 32 tokens' worth of math); a "
            "1,000-token prompt is far above it (compute-bound).")
 
@@ -99,38 +100,48 @@ def doubling_expected() -> int:
 def check_prefill_doubling(prefill_tokens: object) -> None:
     """Exercise 7.2: 32 sequences decode at context 1,024 (Llama-3-8B, H100). What is the
     smallest prompt (in tokens, prefilled whole in the same iteration) that makes the
-    iteration, hence every one of those 32 users' next token, take twice as long?"""
+    iteration, hence every one of those 32 users' next token, take at least twice as long?
+    A count, exact."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     expected = doubling_expected()
     t0 = decode_alone_time()
     n = read_count("prefill_tokens", prefill_tokens)
-    if n < expected:
-        fail(f"prefill_tokens: with {n:,} prompt tokens the iteration takes {mixed_time(n) * 1e3:.2f} ms, "
-             f"only {mixed_time(n) / t0:.2f}× the {t0 * 1e3:.2f} ms decode iteration."
-             + _doubling_hint(n))
-    if n > expected * 1.03 + 1:
-        check_close("prefill_tokens", n, expected, rel=0.03, mistakes=_doubling_mistakes(),
-                    hint="A smaller prompt already doubles it: look for the smallest one.")
-    passed(f"Exercise 7.2: a {expected:,}-token prompt turns a {t0 * 1e3:.1f} ms decode iteration into "
-           f"{mixed_time(expected) * 1e3:.1f} ms. Below ~{cost_model().ridge_tokens() - EX2_BATCH:.0f} tokens "
+    check_exact("prefill_tokens", n, expected, mistakes=_doubling_mistakes(),
+                hint="Time the iteration of the 32 decodes with an n-token prompt beside them (batch_shape, "
+                     "cm.iteration_time) for every n, and compare it with the decode-only iteration.")
+    passed(f"Exercise 7.2: a {expected:,}-token prompt turns a {sig(t0 * 1e3)} ms decode iteration into "
+           f"{sig(mixed_time(expected) * 1e3)} ms. Below ~{cost_model().ridge_tokens() - EX2_BATCH:.0f} tokens "
            "a prompt rides along almost free (the weights are read anyway); above, every prompt "
            "token adds compute time that all 32 decoding users wait for: interference.")
 
 
+def _first_reaching(time_of, target: float) -> int | None:
+    """The smallest n >= 1 with ``time_of(n) >= target`` (times grow with n), or None below 65,536."""
+    if time_of(1 << 16) < target:
+        return None
+    lo, hi = 0, 1 << 16
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if time_of(mid) < target else (lo, mid)
+    return hi
+
+
 def _doubling_mistakes() -> list[tuple[float, str]]:
+    """The prompts students find for 7.2 when one step of the method goes wrong."""
     cm = cost_model()
     t0 = decode_alone_time()
-    alone_2x = next(n for n in range(1, 1 << 16) if cm.prefill_time(n) >= 2 * t0)
-    return [(alone_2x, "That prompt *alone* takes 2× a decode iteration; batched with the decodes it "
-                       "shares one reading of the weights, so the batch doubles earlier.")]
-
-
-def _doubling_hint(n: int) -> str:
-    ridge = cost_model().ridge_tokens()
-    if n + EX2_BATCH <= ridge * 1.05:
-        return (f" Up to the ridge point (~{ridge:.0f} tokens in the batch) the linear layers are "
-                "memory-bound and extra tokens cost almost nothing: the doubling point lies well beyond.")
-    return " Search upward: time a batch of the 32 decodes plus an n-token prompt (batch_shape) for growing n."
+    expected = doubling_expected()
+    found = [
+        (_first_reaching(cm.prefill_time, 2 * t0),
+         "That prompt *alone* takes twice a decode iteration; batched with the decodes it shares one reading "
+         "of the weights. Time the prompt together with the 32 decodes."),
+        (_first_reaching(mixed_time, 2 * cm.decode_time(1, EX2_CONTEXT)),
+         "The decode-only iteration to compare with is the batch of 32 decodes, not one."),
+        (_first_reaching(lambda n: cm.iteration_time(batch_shape(decode=[EX2_CONTEXT] * EX2_BATCH,
+                                                                 prefill=[(n, EX2_CONTEXT)])), 2 * t0),
+         "The prompt is new: it is prefilled from position 0, with no earlier context to attend to."),
+    ]
+    return [(n, hint) for n, hint in found if n is not None and n != expected]
 
 
 # ---- exercise 7.3: a chunk budget that keeps every token on time ----------------------------
@@ -173,37 +184,44 @@ def chunk_budget_expected() -> int:
     return max(ok)
 
 
+def _chunk_budget_mistakes() -> list[tuple[float, str]]:
+    """The budgets students find for 7.3 when one step of the method goes wrong."""
+    cm = cost_model()
+    expected = chunk_budget_expected()
+    first_chunk_only = max(b for b in range(EX3_BATCH + 1, EX3_BATCH + EX3_PROMPT + 1)
+                           if cm.iteration_time(batch_shape(decode=[EX3_CONTEXT] * EX3_BATCH,
+                                                            prefill=[(b - EX3_BATCH, 0)])) <= EX3_ITL_SLO)
+    found = [
+        (first_chunk_only, "Later chunks attend to all the earlier ones: the first chunk is the cheapest, "
+                           "not the slowest. Time every chunk of the prompt."),
+        (expected - EX3_BATCH, "The budget counts every token of the iteration, the 32 decodes (which go "
+                               "first) included, not only the prompt's chunk."),
+        (EX3_BATCH + EX3_PROMPT, "That prefills the whole prompt in one iteration: chunking is what keeps an "
+                                 "iteration within the SLO."),
+    ]
+    return [(n, hint) for n, hint in found if n != expected]
+
+
 @graded("7.3")
 def check_chunk_budget(budget: object) -> None:
     """Exercise 7.3: the largest ``max_num_batched_tokens`` (decodes + prompt chunk per
     iteration) that keeps every iteration within a 20 ms ITL SLO while a 4,096-token prompt
-    is chunk-prefilled beside 32 decodes at context 1,024. Answers within 3 % below the
-    exact maximum are fine (a scan in steps of 8 or 16 finds them)."""
+    is chunk-prefilled beside 32 decodes at context 1,024. A count, exact."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     expected = chunk_budget_expected()
     b = read_count("budget", budget)
     if b <= EX3_BATCH:
         fail(f"budget: {b} tokens leave no room beside the {EX3_BATCH} decodes (which go first); "
              "the prompt would never advance.")
-    worst = worst_chunked_iteration(b)
-    if worst > EX3_ITL_SLO:
-        late = "last" if EX3_PROMPT % (b - EX3_BATCH) == 0 else "last full"
-        fail(f"budget: with {b:,} tokens per iteration the slowest iteration takes {worst * 1e3:.2f} ms, over "
-             f"the {EX3_ITL_SLO * 1e3:.0f} ms SLO. Mind that later chunks attend to all the earlier "
-             f"ones: the {late} chunk is the slowest, not the first.")
-    if expected * 0.97 - EX3_BATCH <= b <= expected - EX3_BATCH:
-        fail(f"budget: {b:,} tokens meet the SLO (worst {worst * 1e3:.2f} ms), but that looks like the "
-             f"prompt chunk alone: the budget counts every token of the iteration, the {EX3_BATCH} "
-             "decodes included.")
-    if b < expected * 0.97:
-        fail(f"budget: {b:,} tokens meet the SLO (worst {worst * 1e3:.2f} ms), but a clearly larger budget "
-             "does too; a smaller budget means more iterations, each paying for the weights and the "
-             "overhead again. Find the largest one.")
+    check_exact("budget", b, expected, mistakes=_chunk_budget_mistakes(),
+                hint="For one budget, time every iteration of the chunked prompt (each chunk with the 32 "
+                     "decodes, attending to the chunks before it) and keep the slowest; then find the largest "
+                     "budget whose slowest iteration is within 20 ms.")
     chunk = expected - EX3_BATCH
-    passed(f"Exercise 7.3: a budget of ~{expected:,} tokens ({chunk:,}-token chunks, "
+    passed(f"Exercise 7.3: a budget of {expected:,} tokens ({chunk:,}-token chunks, "
            f"{math.ceil(EX3_PROMPT / chunk)} iterations for the prompt) keeps every iteration ≤ "
            f"{EX3_ITL_SLO * 1e3:.0f} ms; unchunked, this prompt's iteration would take "
-           f"{mixed_time_for(EX3_PROMPT) * 1e3:.0f} ms. The cost: the prompt's TTFT grows by the extra "
+           f"{sig(mixed_time_for(EX3_PROMPT) * 1e3)} ms. The cost: the prompt's TTFT grows by the extra "
            "iterations, and each chunk re-reads the weights.")
 
 
@@ -263,11 +281,45 @@ def plan_expected(problem: PlanProblem = PROBLEM) -> Plan:
     return Plan(d, n_p, batch, by_memory, tok_per_s, n_d)
 
 
+def _plan_mistakes(problem: PlanProblem = PROBLEM) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
+    """(prefill, decode) pool sizes students give for 7.4 when one step goes wrong, with hints."""
+    cm = cost_model()
+    plan = plan_expected(problem)
+    prefill = [(math.ceil(problem.rate * plan.prefill_time_s),
+                "That many instances keep up on average, but Poisson arrivals queue: the SLO is on the mean "
+                "TTFT, which includes the time a prompt waits (M/D/1).")]
+    context = problem.prompt_len + problem.output_len
+
+    def pool(batch: int, tokens_per_request: int, at: int = context) -> int:
+        return math.ceil(problem.rate * tokens_per_request / (batch / cm.decode_time(batch, at)))
+
+    at_prompt = 0
+    while at_prompt < plan.decode_batch_memory and cm.decode_time(at_prompt + 1, problem.prompt_len) <= problem.tpot_slo_s:
+        at_prompt += 1
+    decode = [
+        (pool(plan.decode_batch_memory, problem.output_len - 1),
+         "The KV memory is one limit on the decode batch; the TPOT SLO is another, at the longest context."),
+        (pool(plan.decode_batch, problem.output_len),
+         "The first output token comes from the prefill instance: the decode pool produces the rest."),
+        (pool(at_prompt, problem.output_len - 1, problem.prompt_len),
+         "Size the batch for the longest context a sequence reaches, prompt and output: that is where its "
+         "iteration is slowest."),
+        (math.ceil(problem.rate * (problem.output_len - 1) / plan.decode_batch),
+         "That divides tokens per second by sequences: an instance produces a batch's worth of tokens per "
+         "iteration, so its rate is the batch over the iteration's time."),
+        (math.ceil((problem.output_len - 1) / plan.decode_tok_per_s),
+         "That is one request's tokens; the pool must produce the tokens of every request that arrives in a "
+         "second."),
+    ]
+    return ([(n, h) for n, h in prefill if n != plan.num_prefill],
+            [(n, h) for n, h in decode if n != plan.num_decode])
+
+
 @graded("7.4")
 def check_instance_plan(num_prefill: object, num_decode: object) -> None:
     """Exercise 7.4: Poisson arrivals at 30 requests/s, every prompt 2,048 tokens and every
     output 256 tokens, Llama-3-8B on H100s; SLOs: mean TTFT ≤ 100 ms, TPOT ≤ 25 ms. How many
-    prefill and how many decode instances (one GPU each)?"""
+    prefill and how many decode instances (one GPU each)? Two counts, exact."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     p = PROBLEM
     plan = plan_expected(p)
@@ -276,33 +328,18 @@ def check_instance_plan(num_prefill: object, num_decode: object) -> None:
     for name, n in (("num_prefill", n_p), ("num_decode", n_d)):
         if n < 1:
             fail(f"{name}: a disaggregated deployment needs at least one instance in each pool, got {n}.")
+    prefill_mistakes, decode_mistakes = _plan_mistakes(p)
+    check_exact("num_prefill", n_p, plan.num_prefill, mistakes=prefill_mistakes,
+                hint="Step 1: with the load split over n instances, each is an M/D/1 queue; find the smallest n "
+                     "whose mean TTFT (the prefill time plus the mean wait) meets the SLO.")
+    check_exact("num_decode", n_d, plan.num_decode, mistakes=decode_mistakes,
+                hint="Step 2: the decode batch one instance can run (both limits: the TPOT SLO at the longest "
+                     "context, and the KV memory), the tokens per second that batch produces, and the tokens "
+                     "per second the pool must produce.")
     naive_p = math.ceil(p.rate * plan.prefill_time_s)
-    if n_p != plan.num_prefill:
-        if n_p == naive_p and naive_p < plan.num_prefill:
-            fail(f"num_prefill: {n_p} instances can keep up on average (utilization "
-                 f"{p.rate * plan.prefill_time_s / n_p:.0%}), but Poisson arrivals queue: the M/D/1 "
-                 f"mean TTFT is then {md1_ttft(p.rate / n_p, plan.prefill_time_s) * 1e3:.0f} ms. The "
-                 "SLO is on the mean TTFT, which includes the time a prompt waits in the queue.")
-        if n_p < plan.num_prefill:
-            rho = p.rate / n_p * plan.prefill_time_s
-            if rho >= 1:
-                fail(f"num_prefill: with {n_p} instance(s) each gets {p.rate / n_p:.1f} requests/s of "
-                     f"{plan.prefill_time_s * 1e3:.0f} ms of work each: {rho:.0%} utilization, the queue "
-                     "grows without bound.")
-            fail(f"num_prefill: with {n_p} instance(s) each gets {p.rate / n_p:.1f} requests/s and the mean "
-                 f"TTFT is {md1_ttft(p.rate / n_p, plan.prefill_time_s) * 1e3:.0f} ms (M/D/1 with D = one "
-                 "prompt's prefill time alone).")
-        fail(f"num_prefill: {n_p} instances meet the TTFT SLO, but fewer do too (find the smallest "
-             "number whose M/D/1 mean TTFT is within the SLO).")
-    if n_d != plan.num_decode:
-        direction = "more" if n_d < plan.num_decode else "fewer"
-        fail(f"num_decode: {n_d} is not right ({direction} are needed). Check the decode batch one "
-             "instance can run (both limits: the TPOT SLO at the longest context, and the KV memory), "
-             "the tokens per second that batch produces, and how many tokens per second the pool "
-             "must produce.")
-    passed(f"Exercise 7.4: prefill takes {plan.prefill_time_s * 1e3:.0f} ms per prompt → {plan.num_prefill} "
-           f"prefill instances (M/D/1 mean TTFT {md1_ttft(p.rate / plan.num_prefill, plan.prefill_time_s) * 1e3:.0f} ms; "
-           f"{naive_p} would be {md1_ttft(p.rate / naive_p, plan.prefill_time_s) * 1e3:.0f} ms); decode batch "
+    passed(f"Exercise 7.4: prefill takes {sig(plan.prefill_time_s * 1e3)} ms per prompt → {plan.num_prefill} "
+           f"prefill instances (M/D/1 mean TTFT {sig(md1_ttft(p.rate / plan.num_prefill, plan.prefill_time_s) * 1e3)} ms; "
+           f"{naive_p} would be {sig(md1_ttft(p.rate / naive_p, plan.prefill_time_s) * 1e3)} ms); decode batch "
            f"{plan.decode_batch} (TPOT-bound; memory allows {plan.decode_batch_memory}) gives "
            f"{plan.decode_tok_per_s:,.0f} tokens/s per instance → {plan.num_decode} decode instances. "
            f"{plan.num_prefill}P + {plan.num_decode}D: simulate it to see the tail.")
@@ -319,7 +356,7 @@ def answer_forms() -> dict[str, list[str]]:
     ridge, plan = ridge_expected(), plan_expected()
     p, d = plan.num_prefill, plan.num_decode
     return {
-        "7.1": [f"{ridge:.0f} tokens", f"{ridge:.1f}", f"{ridge:.2f}"],
+        "7.1": [f"{ridge:.0f} tokens", f"{ridge:.1f}", f"{ridge:.2f}"] + number_forms(ridge),
         "7.2": sorted({f"{doubling_expected()}", f"{doubling_expected():,}"}),
         "7.3": sorted({f"{chunk_budget_expected()}", f"{chunk_budget_expected():,}"}),
         "7.4": [f"{p}P+{d}D", f"{p}P + {d}D", f"{p} prefill and {d} decode",

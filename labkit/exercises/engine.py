@@ -8,16 +8,20 @@
 
 Expected values come from labkit: ``labkit.model.kv_cache.kv_bytes_per_token`` on the
 model's config, the roofline model's ``ModelSpec`` for Llama-3-70B, a real
-``BlockAllocator`` with prefix caching, and the engine's own counters.
+``BlockAllocator`` with prefix caching, the simulator running the engine's own scheduler
+settings, and the student's own measurements. The graders that take the engine (0.1, 0.2,
+6.2) read only its configuration numbers (``engine_facts``), never its state: a verdict does
+not change with what the engine served before.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Mapping
 
-from ._grading import (check_close, check_quantity, fail, fmt, graded, number_forms, passed, quantity_forms,
-                       read_count, read_number, read_ratio)
+from ._grading import (check_exact, check_number, check_quantity, fail, fmt, graded, number_forms,
+                       passed, quantity_forms, read_count, read_number, sig)
 
 #: Byte units for ``read_quantity`` (base unit: the byte).
 BYTE_UNITS: dict[str, float] = {
@@ -29,7 +33,7 @@ BYTE_UNITS: dict[str, float] = {
 def _human(nbytes: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= size:
-            return f"{nbytes / size:,.4g} {unit}"
+            return f"{sig(nbytes / size)} {unit}"
     return f"{nbytes:,.0f} B"
 
 
@@ -37,71 +41,81 @@ def _kv_formula_mistakes(layers: int, kv_heads: int, heads: int, head_dim: int, 
                          other_itemsize: int) -> list[tuple[float, str]]:
     right = 2 * layers * kv_heads * head_dim * itemsize
     return [
-        (right / 2, "That is K or V alone: every token stores a key AND a value vector per layer (×2)."),
+        (right / 2, "Every token stores a key AND a value vector per layer: count both."),
         (right * heads / kv_heads, f"That uses all {heads} query heads. With grouped-query attention "
                                    f"only the {kv_heads} KV heads are cached (num_key_value_heads)."),
-        (right / layers, f"That is one layer's worth: every one of the {layers} layers keeps its own K and V."),
-        (right / itemsize, "That counts elements, not bytes: multiply by the bytes per element."),
-        (right * 8, "That is bits: divide by 8 (or multiply elements by bytes, not bits)."),
+        (right / layers, f"Every one of the {layers} layers keeps its own K and V."),
+        (right / itemsize, "That counts elements, not bytes: what does one element take?"),
+        (right * 8, "That counts bits, not bytes."),
         (right * other_itemsize / itemsize, f"Check the dtype: {itemsize} bytes per element here."),
     ]
 
 
-def _engine_stats(llm) -> dict:
-    """``llm.stats()``, or a failure that says which object the grader needs."""
-    stats = getattr(llm, "stats", None)
-    if not callable(stats) or not hasattr(llm, "scheduler"):
+#: The engine's configuration numbers the chapter 0 and 6 graders read (``engine_facts``).
+ENGINE_FACTS = ("num_total_blocks", "block_size", "kv_cache_bytes", "num_hidden_layers", "num_key_value_heads",
+                "num_attention_heads", "head_dim", "dtype_bytes", "max_num_seqs", "max_num_batched_tokens",
+                "max_model_len")
+
+
+def engine_facts(llm) -> dict[str, int]:
+    """The configuration of the engine ``llm`` (an ``LLM``) as plain numbers: its KV pool, its
+    model's shape and its scheduler's limits. Nothing in it changes while the engine serves."""
+    if not callable(getattr(llm, "stats", None)) or not hasattr(llm, "scheduler") or not hasattr(llm, "runner"):
         fail(f"llm: pass the engine you loaded (llm = LLM(...)), not {type(llm).__name__} {llm!r:.60}.")
-    return stats()
+    import torch
+    stats, config, sched = llm.stats(), llm.runner.config, llm.scheduler
+    return {
+        "num_total_blocks": int(stats["num_total_blocks"]), "block_size": int(stats["block_size"]),
+        "kv_cache_bytes": int(stats["kv_cache_bytes"]),
+        "num_hidden_layers": int(config.num_hidden_layers),
+        "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
+        "num_attention_heads": int(config.num_attention_heads),
+        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads),
+        "dtype_bytes": int(torch.empty((), dtype=llm.runner.dtype).element_size()),
+        "max_num_seqs": int(sched.max_num_seqs), "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+        "max_model_len": int(sched.max_model_len),
+    }
+
+
+def _facts(llm: object) -> dict[str, int]:
+    """``engine_facts`` as the grader receives them, checked: every number present and positive."""
+    if not isinstance(llm, Mapping):
+        fail(f"llm: pass the engine you loaded (llm = LLM(...)), not {type(llm).__name__} {llm!r:.60}.")
+    missing = [k for k in ENGINE_FACTS if not isinstance(llm.get(k), numbers.Integral) or llm[k] <= 0]
+    if missing:
+        fail(f"llm: pass the engine you loaded (llm = LLM(...)); these facts about it are missing: "
+             f"{', '.join(missing)}.")
+    return {k: int(llm[k]) for k in ENGINE_FACTS}
 
 
 # ---- chapter 0: the engine you just loaded ------------------------------------------------
-@graded("0.1")
+@graded("0.1", plain={"llm": engine_facts})
 def check_kv_capacity(llm, capacity_tokens: object, bytes_per_token: object) -> None:
-    """Exercise 0.1: from ``llm.stats()``, how many tokens the engine's KV cache holds, and
-    how many bytes of KV one token takes (a number of bytes, or a string with a unit)."""
+    """Exercise 0.1: from ``llm.stats()``, how many tokens the engine's KV cache holds (a count),
+    and how many bytes of KV one token takes (3 significant figures: a number of bytes, or a
+    string with a unit)."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    from ..model.kv_cache import kv_bytes_per_token
-    stats = _engine_stats(llm)
-    capacity = stats["num_total_blocks"] * stats["block_size"]
-    config, dtype = llm.runner.config, llm.runner.dtype
-    per_token = kv_bytes_per_token(config, dtype)
-    if stats["kv_cache_bytes"] != capacity * per_token:    # the engine must agree with the formula
-        raise RuntimeError(f"the engine reports {stats['kv_cache_bytes']} KV bytes for {capacity} "
+    f = _facts(llm)
+    capacity = f["num_total_blocks"] * f["block_size"]
+    per_token = (2 * f["num_hidden_layers"] * f["num_key_value_heads"] * f["head_dim"] * f["dtype_bytes"])
+    if f["kv_cache_bytes"] != capacity * per_token:    # the engine must agree with the formula
+        raise RuntimeError(f"the engine reports {f['kv_cache_bytes']} KV bytes for {capacity} "
                            f"tokens of {per_token} bytes: a bug in labkit, not in your answer")
     cap = read_count("capacity_tokens", capacity_tokens)
-    mistakes = [(stats["num_total_blocks"], "That is the number of blocks; each block holds block_size tokens.")]
-    if stats["num_free_blocks"] != stats["num_total_blocks"]:
-        mistakes.append((stats["num_free_blocks"] * stats["block_size"],
-                         "That counts only the free blocks; the question asks for all of them."))
-    check_close("capacity_tokens", cap, capacity, rel=0, mistakes=mistakes,
+    check_exact("capacity_tokens", cap, capacity,
+                mistakes=[(f["num_total_blocks"], "That is the number of blocks; how many tokens does each hold?")],
                 hint="Which counters give the cache's size in blocks, and the size of one block?")
-    check_quantity("bytes_per_token", bytes_per_token, per_token, units=BYTE_UNITS,
-                             default_unit="B", rel=0.01,
-                             mistakes=[(stats["kv_cache_bytes"] / stats["num_total_blocks"],
-                                        "That is bytes per block; divide by the tokens per block too.")]
-                             + _kv_formula_mistakes(config.num_hidden_layers, _kv_heads(config),
-                                                    config.num_attention_heads, _head_dim(config),
-                                                    _itemsize(dtype), 2 if _itemsize(dtype) == 4 else 4),
-                             hint="How many bytes does the cache take in all, and how many tokens "
-                                  "does it hold?")
-    passed(f"{capacity:,} tokens of KV ({stats['num_total_blocks']:,} blocks × {stats['block_size']}); "
+    check_quantity("bytes_per_token", bytes_per_token, per_token, units=BYTE_UNITS, default_unit="B",
+                   mistakes=[(f["kv_cache_bytes"] / f["num_total_blocks"],
+                              "That is bytes per block: a block holds several tokens.")]
+                   + _kv_formula_mistakes(f["num_hidden_layers"], f["num_key_value_heads"],
+                                          f["num_attention_heads"], f["head_dim"], f["dtype_bytes"],
+                                          2 if f["dtype_bytes"] == 4 else 4),
+                   hint="How many bytes does the cache take in all, and how many tokens does it hold?")
+    passed(f"{capacity:,} tokens of KV ({f['num_total_blocks']:,} blocks × {f['block_size']}); "
            f"{per_token:,} bytes = {_human(per_token)} per token = 2 (K and V) × "
-           f"{config.num_hidden_layers} layers × {_kv_heads(config)} KV heads × {_head_dim(config)} dims × "
-           f"{_itemsize(dtype)} bytes.")
-
-
-def _kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _itemsize(dtype) -> int:
-    import torch
-    return torch.empty((), dtype=dtype).element_size()
+           f"{f['num_hidden_layers']} layers × {f['num_key_value_heads']} KV heads × {f['head_dim']} dims × "
+           f"{f['dtype_bytes']} bytes.")
 
 
 # ---- chapter 1: Llama-3-70B -------------------------------------------------------------
@@ -121,12 +135,12 @@ def _llama70b():
 @graded("1.1")
 def check_kv_bytes_70b(bytes_per_token: object) -> None:
     """Exercise 1.1: bytes of KV one token takes in Llama-3-70B (80 layers, 8 KV heads of 128
-    dims, 64 query heads, bf16): a number of bytes, or a string with a unit ("... KiB")."""
+    dims, 64 query heads, bf16), to 3 significant figures: a number of bytes, or a string with a
+    unit ("... KiB")."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     m = _llama70b()
     expected = m.kv_bytes_per_token
     check_quantity("bytes_per_token", bytes_per_token, expected, units=BYTE_UNITS, default_unit="B",
-                   rel=0.01,
                    mistakes=_kv_formula_mistakes(m.num_layers, m.num_kv_heads, m.num_heads, m.head_dim,
                                                  m.dtype_bytes, 4),
                    hint="Go through section 1's reasoning with Llama-3-70B's config: what does each "
@@ -139,19 +153,19 @@ def check_kv_bytes_70b(bytes_per_token: object) -> None:
 @graded("1.2")
 def check_70b_requests(request_bytes: object, requests_that_fit: object) -> None:
     """Exercise 1.2: the KV of one 4096-token Llama-3-70B request, and how many such requests
-    fit in the 45 GB (45 × 10^9 bytes) left beside 4-bit weights on an 80 GB GPU."""
+    fit in the 45 GB (45 × 10^9 bytes) left beside 4-bit weights on an 80 GB GPU: bytes to 3
+    significant figures (or a string with a unit), requests as a count."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     m = _llama70b()
     per_request = EX_70B_CONTEXT * m.kv_bytes_per_token
     fit = math.floor(EX_70B_FREE_BYTES / per_request)
-    lesson_mistake = ("That is the lesson's figure, and it is off by 4×: work it out from your own "
-                      "bytes per token.")
+    lesson_mistake = "That is the lesson's figure: work it out from your own bytes per token."
     check_quantity(
-        "request_bytes", request_bytes, per_request, units=BYTE_UNITS, default_unit="B", rel=0.02,
+        "request_bytes", request_bytes, per_request, units=BYTE_UNITS, default_unit="B",
         mistakes=[(LESSON_PER_REQUEST_MB * 1e6, lesson_mistake),
                   (LESSON_PER_REQUEST_MB * 2**20, lesson_mistake),
-                  (per_request / 2, "That counts only K or only V."),
-                  (per_request * 8, "That is bits, not bytes.")],
+                  (per_request / 2, "Every token stores a key AND a value vector per layer: count both."),
+                  (per_request * 8, "That counts bits, not bytes.")],
         hint="How many tokens does the request hold, and what does each one cost?")
     n = read_number("requests_that_fit", requests_that_fit)
     if n == LESSON_CONCURRENT:
@@ -161,7 +175,7 @@ def check_70b_requests(request_bytes: object, requests_that_fit: object) -> None
         fail(f"requests_that_fit: {fmt(n)} requests? A request's KV cannot be partly resident: "
              "count whole requests.")
     gib_reading = 45 * 2**30 / per_request
-    check_close("requests_that_fit", read_count("requests_that_fit", n), fit, rel=0,
+    check_exact("requests_that_fit", read_count("requests_that_fit", n), fit,
                 mistakes=[(math.ceil(EX_70B_FREE_BYTES / per_request),
                            "A request cannot be partly resident: whole requests only, and none may overflow."),
                           (math.floor(gib_reading), "You read 45 GB as 45 GiB: GB are 10^9 bytes, GiB 2^30 bytes; "
@@ -193,7 +207,7 @@ def check_fork_copies(blocks_after: object, copies: object) -> None:
     n, p, bs = EX_FORK_SAMPLES, EX_FORK_PROMPT, EX_FORK_BLOCK
     full = p // bs
     k = read_count("copies", copies)
-    check_close("copies", k, c.copies, rel=0,
+    check_exact("copies", k, c.copies,
                 mistakes=[(n, "The last sample to write finds its block held by nobody else any more "
                               "(reference count 1): it writes in place, no copy."),
                           (0, f"The last block holds {p % bs} tokens and has free slots: the first "
@@ -202,10 +216,11 @@ def check_fork_copies(blocks_after: object, copies: object) -> None:
                                            "never written again and stay shared.")],
                 hint="Which block does each append write into, and who else holds it at that moment?")
     b = read_count("blocks_after", blocks_after)
-    check_close("blocks_after", b, c.blocks_diverged, rel=0,
+    check_exact("blocks_after", b, c.blocks_diverged,
                 mistakes=[(n * c.blocks_per_session, "That is without sharing: the full blocks stay shared."),
-                          (c.blocks_shared, "That is before the samples diverge: each copy-on-write adds a block."),
-                          (c.blocks_shared + n, "One sample writes into the original block in place.")],
+                          (c.blocks_shared, "That is before the samples diverge: what does a copy-on-write add?"),
+                          (c.blocks_shared + n, "Does every sample copy? Think of the last one to write: who "
+                                                "else holds its block then?")],
                 hint="Which blocks are still shared by all four, and what did each copy add?")
     passed(f"{p} tokens = {full} full blocks + 1 block holding {p % bs}: {c.blocks_shared} blocks shared by "
            f"{n} samples; the first {c.copies} to append copy the partial block, the last writes in "
@@ -247,7 +262,7 @@ def check_prefix_reuse(reused_tokens: object, computed_tokens: object) -> None:
     reused, computed = prefix_reuse_expected()
     s, q, bs = EX_PREFIX_SYSTEM, EX_PREFIX_QUESTION, EX_PREFIX_BLOCK
     r = read_count("reused_tokens", reused_tokens)
-    check_close("reused_tokens", r, reused, rel=0,
+    check_exact("reused_tokens", r, reused,
                 mistakes=[(s, f"Only full blocks are cached and matched. {s} is not a multiple of {bs}: "
                               f"the block holding token {s - 1} also holds the start of the question."),
                           (-(-s // bs) * bs, "The block that holds the end of the system prompt also holds "
@@ -258,7 +273,7 @@ def check_prefix_reuse(reused_tokens: object, computed_tokens: object) -> None:
                 hint="A cached block is reused when its tokens and every token before it match. "
                      "Which of B's blocks lie entirely inside the shared system prompt?")
     c = read_count("computed_tokens", computed_tokens)
-    check_close("computed_tokens", c, computed, rel=0,
+    check_exact("computed_tokens", c, computed,
                 mistakes=[(q, "The system-prompt tokens that share a block with the question are "
                               "recomputed too."),
                           (s + q, "The cached tokens need no compute: only the rest of B's prompt runs.")],
@@ -269,21 +284,25 @@ def check_prefix_reuse(reused_tokens: object, computed_tokens: object) -> None:
 
 
 # ---- chapter 6: the real model ---------------------------------------------------------------
-@graded("6.2")
+@graded("6.2", plain={"llm": engine_facts})
 def check_prefix_savings(llm, shared_prefix_len: int, num_followers: int, predicted_cached: object,
                          measured: Mapping[str, int]) -> None:
-    """Exercise 6.2: after one warm-up request, ``num_followers`` requests share the warm-up's
-    first ``shared_prefix_len`` prompt tokens. ``predicted_cached``: how many prompt tokens
-    the prefix cache should serve in all. ``measured``: the engine's counter deltas,
+    """Exercise 6.2: after one warm-up request on an empty prefix cache, ``num_followers``
+    requests share the warm-up's first ``shared_prefix_len`` prompt tokens. ``predicted_cached``:
+    how many prompt tokens the prefix cache should serve them in all (a count). ``measured``: the
+    engine's counter changes over the followers' call,
     ``{"num_cached_prompt_tokens": ..., "num_prompt_tokens_computed": ...}``."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    bs = _engine_stats(llm)["block_size"]
+    bs = _facts(llm)["block_size"]
+    shared_prefix_len, num_followers = read_count("shared_prefix_len", shared_prefix_len), read_count(
+        "num_followers", num_followers)
     per_request = (shared_prefix_len // bs) * bs
     expected = num_followers * per_request
     p = read_count("predicted_cached", predicted_cached)
-    check_close("predicted_cached", p, expected, rel=0,
+    check_exact("predicted_cached", p, expected,
                 mistakes=[(num_followers * shared_prefix_len,
-                           f"Only full blocks of {bs} tokens are cached: round the shared prefix down."),
+                           f"Only full blocks of {bs} tokens are cached: does the shared prefix end on a block "
+                           "boundary?"),
                           ((num_followers + 1) * per_request,
                            "The warm-up request found an empty cache: it computed everything."),
                           (per_request, f"That is one request's share; {num_followers} requests each reuse it."),
@@ -293,13 +312,18 @@ def check_prefix_savings(llm, shared_prefix_len: int, num_followers: int, predic
     got = measured.get("num_cached_prompt_tokens") if isinstance(measured, Mapping) else None
     if got is None:
         fail("measured: pass a dict with the engine's 'num_cached_prompt_tokens' (and "
-             "'num_prompt_tokens_computed') for the followers' run.")
+             "'num_prompt_tokens_computed') changes over the followers' call.")
     got = read_count("measured['num_cached_prompt_tokens']", got)
-    if got != expected:
-        fail(f"measured: the engine reports {got} cached prompt tokens, your prediction (right) says "
-             f"{expected}. Did the followers run after the warm-up finished (a block enters the cache "
-             "only once its KV is computed), with enable_prefix_caching=True, and is the measured "
-             "figure the difference of the counter before and after their run?")
+    if got > expected:
+        fail(f"measured: the followers found {got:,} prompt tokens cached, more than the warm-up alone can "
+             "leave (your prediction, which is right). Something else had cached their prompts already: "
+             "a run of this cell or of a later one. Start the measurement from an empty cache "
+             "(llm.reset_prefix_cache()), then run the warm-up, then the followers.")
+    if got < expected:
+        fail(f"measured: the followers found only {got:,} prompt tokens cached, fewer than your (right) "
+             "prediction. Did the warm-up finish before the followers started (a block enters the cache "
+             "only once its K and V are computed), with enable_prefix_caching on, and is the measured figure "
+             "the change of the counter over the followers' call alone?")
     passed(f"{num_followers} × {per_request} = {expected:,} prompt tokens served from the cache, as "
            "measured: that many tokens' K and V were never computed.")
 
@@ -307,7 +331,7 @@ def check_prefix_savings(llm, shared_prefix_len: int, num_followers: int, predic
 @graded("6.1")
 def check_speedup(measured: Mapping[str, Mapping[str, float]], speedup: object) -> None:
     """Exercise 6.1: ``measured`` maps an engine name to ``{"wall_s", "output_tokens"}``;
-    ``speedup`` is labkit's output tokens/s divided by hf-static's."""
+    ``speedup`` is labkit's output tokens/s divided by hf-static's, to 3 significant figures."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     try:
         ours, theirs = measured["labkit"], measured["hf-static"]
@@ -320,44 +344,51 @@ def check_speedup(measured: Mapping[str, Mapping[str, float]], speedup: object) 
              "as the measuring cell builds it; run that cell first.")
     if ours["output_tokens"] != theirs["output_tokens"]:
         fail("measured: the two engines produced different numbers of tokens; compare equal work.")
-    x = read_ratio("speedup", speedup)
-    check_close("speedup", x, tps / base, rel=0.01,
-                mistakes=[(base / tps, "That is hf-static over labkit; the speedup is labkit's rate over hf-static's."),
-                          (ours["wall_s"] / theirs["wall_s"], "Same work, so the ratio of rates is the inverse "
-                                                             "ratio of times: hf time / labkit time.")],
-                hint="Compare the two engines' output rates (tokens per second), labkit's over hf-static's.")
-    passed(f"labkit {tps:.1f} tok/s vs hf-static {base:.1f} tok/s: {tps / base:.2f}× on this machine, now.")
+    ratio = tps / base
+    check_number("speedup", speedup, ratio, ratio=True,
+                 mistakes=[(1 / ratio, "That is hf-static over labkit; the speedup is labkit's rate over "
+                                       "hf-static's."),
+                           (ratio - 1, "That is how much faster, not how many times as fast: a speedup is a "
+                                       "ratio of the two rates."),
+                           (100 * (ratio - 1), "That is the gain in percent; a speedup is a ratio of the two "
+                                               "rates.")],
+                 hint="Compare the two engines' output rates (tokens per second), labkit's over hf-static's.")
+    passed(f"labkit {sig(tps)} tok/s vs hf-static {sig(base)} tok/s: {sig(ratio)}× on this machine, now.")
 
 
-@graded("0.2")
+@graded("0.2", plain={"llm": engine_facts})
 def check_batch_iterations(llm, prompt_lens: list[int], max_tokens: int, predicted_steps: object,
                            measured_steps: object) -> None:
     """Exercise 0.2: prompts of ``prompt_lens`` tokens, submitted together, each generating
     exactly ``max_tokens`` tokens (EOS ignored). How many engine iterations does serving
-    them take? ``measured_steps``: the change of ``llm.stats()["num_steps"]``."""
+    them take (a count)? ``measured_steps``: the change of ``llm.stats()["num_steps"]``.
+    The expected count comes from the engine's scheduler settings, simulated."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     from ..sim import TraceRequest, simulate
-    _engine_stats(llm)
-    sched = llm.scheduler
-    trace = [TraceRequest(n, max_tokens) for n in prompt_lens]
-    sim = simulate(trace, num_blocks=sched.allocator.num_blocks, block_size=sched.block_size,
-                   max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-                   max_model_len=sched.max_model_len, keep_records=False)
+    f = _facts(llm)
+    lens = [read_count("prompt_lens", n) for n in prompt_lens]
+    max_tokens = read_count("max_tokens", max_tokens)
+    trace = [TraceRequest(n, max_tokens) for n in lens]
+    sim = simulate(trace, num_blocks=f["num_total_blocks"], block_size=f["block_size"],
+                   max_num_seqs=f["max_num_seqs"], max_num_batched_tokens=f["max_num_batched_tokens"],
+                   max_model_len=f["max_model_len"], keep_records=False)
     expected = sim.engine.num_steps           # the same scheduler, with the simulator's executor
-    k = len(prompt_lens)
+    k = len(lens)
     p = read_count("predicted_steps", predicted_steps)
-    check_close("predicted_steps", p, expected, rel=0,
+    check_exact("predicted_steps", p, expected,
                 mistakes=[(k * max_tokens, f"That would be one request at a time. Continuous batching runs "
                                            f"all {k} in the same iterations: one token each per iteration."),
                           (max_tokens + 1, "The iteration that computes a prompt (prefill) also samples its "
-                                           "first token: there is no separate prefill step here."),
+                                           "first token: is there a separate prefill step?"),
+                          (max_tokens - 1, "The iteration that computes a prompt (prefill) also samples its "
+                                           "first token: is there a separate prefill step?"),
                           (k * (max_tokens - 1) + 1, "All prompts are prefilled together, and the decodes "
                                                      "run together too.")],
                 hint="Each iteration gives every running request one new token.")
     m = read_count("measured_steps", measured_steps)
     if m != expected:
-        fail(f"measured_steps: {m}, but serving these prompts takes {expected} iterations. Take the "
-             "difference of llm.stats()['num_steps'] just before and just after the generate call.")
+        fail(f"measured_steps: {m:,} does not match your prediction, which is right. Measure the change of "
+             "llm.stats()['num_steps'] over the generate call alone: read it just before and just after.")
     passed(f"{expected} iterations for {k} × {max_tokens} = {k * max_tokens} tokens: the first iteration "
            f"prefills all {k} prompts and samples their first tokens, each later one decodes a token "
            "for every request at once.")

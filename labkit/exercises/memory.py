@@ -16,8 +16,8 @@ import functools
 from dataclasses import dataclass
 
 from ..memory import BlockAllocator, BlockTable, SeqUsage, contiguous_waste, paged_waste
-from ._grading import (MEMORY_UNITS_MIB, check_choices, check_close, check_quantity, check_share, fail,
-                       fmt, graded, passed, quantity_forms, read_count, read_number)
+from ._grading import (MEMORY_UNITS_MIB, check_choices, check_exact, check_quantity, check_share,
+                       fail, fmt, graded, passed, quantity_forms, read_count, read_number, share_forms, sig)
 
 # ---- exercise 1.3 (the lesson's exercise 1): what a max-length reservation wastes -----------------------------------
 EX1_GENERATED = 200        # tokens the request produces
@@ -35,11 +35,11 @@ def _exercise_1_expected() -> tuple[float, float]:
 def check_exercise_1(fraction_used: object, utilization_100: object) -> None:
     """Exercise 1.3: a request generates 200 tokens into a 4096-slot reservation. Give the
     fraction of the reservation used, and the utilization with 100 such requests in
-    parallel (fractions like 0.05 or percents like 5 are both fine)."""
+    parallel, each to 3 significant figures, as a fraction (0.0123) or a percent (1.23)."""
     single, many = _exercise_1_expected()
     wasted = 1 - single
     check_share(
-        "fraction_used", fraction_used, single, rel=0.03,
+        "fraction_used", fraction_used, single,
         mistakes=[
             (EX1_RESERVED / EX1_GENERATED / 100,
              "You divided the reservation by what is used: the other way round."),
@@ -50,7 +50,7 @@ def check_exercise_1(fraction_used: object, utilization_100: object) -> None:
         hint="Compare the slots that hold tokens with all the slots reserved for the request.",
     )
     check_share(
-        "utilization_100", utilization_100, many, rel=0.03,
+        "utilization_100", utilization_100, many,
         mistakes=[
             (single / EX1_REQUESTS,
              "More requests do not dilute the use: the used slots grow 100×, and so do the reserved ones."),
@@ -62,9 +62,9 @@ def check_exercise_1(fraction_used: object, utilization_100: object) -> None:
              "slots reserved.",
     )
     used_slots, reserved_slots = EX1_REQUESTS * EX1_GENERATED, EX1_REQUESTS * EX1_RESERVED
-    passed(f"Exercise 1.3: {EX1_GENERATED}/{EX1_RESERVED} = {single:.1%} of the reservation holds tokens; "
-           f"with {EX1_REQUESTS} such requests still {many:.1%} ({used_slots:,} of {reserved_slots:,} "
-           f"slots): reserving the maximum wastes {wasted:.1%} however many requests run.")
+    passed(f"Exercise 1.3: {EX1_GENERATED}/{EX1_RESERVED} = {sig(100 * single)}% of the reservation holds tokens; "
+           f"with {EX1_REQUESTS} such requests still {sig(100 * many)}% ({used_slots:,} of {reserved_slots:,} "
+           f"slots): reserving the maximum wastes {sig(100 * wasted)}% however many requests run.")
 
 
 # ---- exercise 2.1 (the lesson's exercise 2): internal fragmentation of one paged sequence ----------------------------
@@ -85,24 +85,24 @@ def _exercise_2_expected() -> tuple[int, int, float]:
 @graded("2.1")
 def check_exercise_2(num_blocks: object, wasted_slots: object, internal_fragmentation: object) -> None:
     """Exercise 2.1: blocks of 16 slots, a sequence of 70 tokens. Give the blocks it occupies,
-    the empty slots of its last block, and the internal fragmentation as a fraction (or
-    percent) of the sequence length."""
+    the empty slots of its last block (counts, exact), and the internal fragmentation as a
+    fraction (or percent) of the sequence length, to 3 significant figures."""
     blocks, empty, frag = _exercise_2_expected()
     bs, n = EX2_BLOCK_SIZE, EX2_TOKENS
     nb = read_number("num_blocks", num_blocks)
     if not nb.is_integer():
         fail(f"num_blocks: {fmt(nb)} blocks? Blocks are allocated whole: a partly filled "
              "block still takes a whole block.")
-    check_close("num_blocks", read_count("num_blocks", nb), blocks, rel=0,
+    check_exact("num_blocks", read_count("num_blocks", nb), blocks,
                 mistakes=[(n // bs, "That counts the full blocks only; the tokens left over after them "
                                     "need a block too.")],
                 hint=f"Each block holds {bs} tokens; how many blocks do {n} tokens need?")
-    check_close("wasted_slots", read_count("wasted_slots", wasted_slots), empty, rel=0,
+    check_exact("wasted_slots", read_count("wasted_slots", wasted_slots), empty,
                 mistakes=[(n % bs, "That is how many tokens the last block holds; the question asks for "
                                    "its empty slots.")],
                 hint="Only the last block can have empty slots: how many of its slots hold no token?")
     check_share(
-        "internal_fragmentation", internal_fragmentation, frag, rel=0.02,
+        "internal_fragmentation", internal_fragmentation, frag,
         mistakes=[
             (empty / (blocks * bs), "That is relative to the allocated slots; the exercise measures the "
                                     "wasted slots against the sequence's length."),
@@ -111,7 +111,7 @@ def check_exercise_2(num_blocks: object, wasted_slots: object, internal_fragment
         hint="Express the wasted slots as a share of the sequence's length, as the exercise defines it.",
     )
     passed(f"Exercise 2.1: {n} tokens fill {n // bs} blocks and {n % bs} slots of one more: {blocks} blocks, "
-           f"{empty} empty slots, {empty}/{n} = {frag:.1%} internal fragmentation (never more than "
+           f"{empty} empty slots, {empty}/{n} = {sig(100 * frag)}% internal fragmentation (never more than "
            f"{bs - 1} slots per sequence, however long it grows).")
 
 
@@ -176,40 +176,31 @@ SHARING_STATEMENTS: dict[str, str] = {
     "J": "The sessions release the prefix in the order they started.",
 }
 SHARING_SAFE = frozenset("BEH")
-_WHY_WRONG = {
-    "A": "a common tokenizer does not make two prompts equal. What the K and V depend on are the "
-         "token ids themselves and where they stand.",
-    "C": "determinism alone says nothing about two different sessions: K and V are equal only where "
-         "everything they are computed from is equal. What must be equal, and why can the sessions' "
-         "different continuations not change it?",
-    "D": "positions matter. Rotary position embeddings rotate each key by its position, so the same "
-         "token at another position has another K. Sharing works because the prefix stands at the "
-         "same positions, from 0, in every session.",
-    "F": "if that were so, sharing would be unsafe: the sessions' different continuations would "
-         "change the prefix's K and V. In a decoder-only model attention is causal.",
-    "G": "that is not even true: batching changes the order of floating-point sums, so a prefix "
-         "computed in another batch can differ in its last bits (chapter 6 sees it). Sharing does "
-         "not need it: every session reads the one stored copy, a correct computation of that prefix.",
-    "I": "that is what sharing saves, not what makes it correct.",
-    "J": "reference counts handle any order: a shared block returns to the pool when its last "
-         "holder lets go, whoever that is.",
+#: Why each other statement is not a reason, for the verdict of a right pick (a wrong pick gets
+#: one hint whatever it holds: naming a wrong or a missing statement would give the letters away).
+NOT_WHY = {
+    "A": "one tokenizer does not make two prompts equal",
+    "C": "determinism says nothing about two different sessions",
+    "D": "false: rotary embeddings make a key depend on its position",
+    "F": "false: attention is causal",
+    "G": "false across batches (the order of float sums changes), and not needed",
+    "I": "that is what sharing saves, not what makes it safe",
+    "J": "reference counts handle any order",
 }
-_WHY_NEEDED = {
-    "B": "The sessions diverge after the prefix: why can what comes later never change the "
-         "prefix's K and V?",
-    "E": "For two sessions to read one copy, their prefix K and V must be equal: which inputs "
-         "must be equal for that?",
-    "H": "The sessions diverge and write new tokens: what keeps those writes out of the blocks "
-         "the other sessions still read?",
-}
+PICK_HINT = ("Sharing is safe when the one stored copy of the prefix's K and V is exactly what every session "
+             "would compute for itself, and stays so while the sessions write their own tokens. Judge each "
+             "statement twice: is it true? And if it is, is it a reason for that? (A true statement can be "
+             "beside the point, and a false one is never a reason.) Chapter 3's opening and its copy-on-write "
+             "section have what you need.")
 
 
 @graded("3.3")
 def check_exercise_3(without_mib: object, with_mib: object, safe_because: object) -> None:
     """Exercise 3.3: 500 sessions share a 1000-token system prompt, 1 MiB of KV per token.
-    Give the prefix's KV memory without and with copy-on-write block sharing (bare numbers
-    are MiB; strings with a unit like "2 GiB" are converted), and ``safe_because``: the
-    letters of the ``SHARING_STATEMENTS`` that make the sharing safe (e.g. {"X", "Y"})."""
+    Give the prefix's KV memory without and with copy-on-write block sharing, to 3 significant
+    figures (bare numbers are MiB; strings with a unit like "2 GiB" are converted), and
+    ``safe_because``: the letters of the ``SHARING_STATEMENTS`` that make the sharing safe
+    (a set such as {"X", "Y"}, or a list, tuple or string of letters)."""
     c = shared_prompt_counts()
     n, p, bs, mib = EX3_SESSIONS, EX3_PROMPT, EX3_BLOCK_SIZE, EX3_MIB_PER_TOKEN
     ideal_without, exact_without = n * p * mib, n * c.blocks_per_session * bs * mib
@@ -218,14 +209,14 @@ def check_exercise_3(without_mib: object, with_mib: object, safe_because: object
     full, tail = p // bs, p % bs
     got_without, _, _ = check_quantity(
         "without_mib", without_mib, [ideal_without, exact_without], units=MEMORY_UNITS_MIB,
-        default_unit="MiB", rel=0.025,
+        default_unit="MiB",
         mistakes=[(p * mib, "That is one session's copy; without sharing each of the 500 sessions "
                             "stores its own copy of the prefix.")],
         hint="Without sharing, what does every session store, and how many sessions are there?",
     )
     got_with, _, _ = check_quantity(
         "with_mib", with_mib, [ideal_with, blocks_with, diverged_with], units=MEMORY_UNITS_MIB,
-        default_unit="MiB", rel=0.025,
+        default_unit="MiB",
         mistakes=[
             (ideal_without, "That is the memory without sharing; with sharing the sessions' block "
                             "tables all point at the same physical blocks."),
@@ -240,8 +231,7 @@ def check_exercise_3(without_mib: object, with_mib: object, safe_because: object
         ],
         hint="With copy-on-write sharing, how many copies of the prefix's KV exist?",
     )
-    check_choices("safe_because", safe_because, SHARING_STATEMENTS, SHARING_SAFE,
-                  why_wrong=_WHY_WRONG, why_needed=_WHY_NEEDED)
+    check_choices("safe_because", safe_because, SHARING_STATEMENTS, SHARING_SAFE, hint=PICK_HINT)
     ratio = ideal_without / ideal_with
     if got_with == ideal_with:
         exact = (f"Block-exact with {bs}-slot blocks: {full} full blocks + 1 block holding the last "
@@ -262,7 +252,8 @@ def check_exercise_3(without_mib: object, with_mib: object, safe_because: object
            f"({ideal_without / 1024:,.1f} GiB){without_note}; with sharing the prefix is stored once: "
            f"{ideal_with:,} MiB, {ratio:.0f}× less. {exact} Safe because attention is causal (a token's K and V "
            "depend only on it and the tokens before it), the prefix is the same tokens at the same "
-           "positions through the same weights in every session, and a session that writes copies first.")
+           "positions through the same weights in every session, and a session that writes copies first. The others: "
+           + "; ".join(f"{k}, {why}" for k, why in NOT_WHY.items()) + ".")
 
 
 def answer_forms() -> dict[str, list[str]]:
@@ -271,14 +262,9 @@ def answer_forms() -> dict[str, list[str]]:
     blocks, empty, frag = _exercise_2_expected()
     c = shared_prompt_counts()
     picks = sorted(SHARING_SAFE)
-    def shares(x: float) -> list[str]:
-        percents = [f"{100 * x:.{d}g}" for d in (2, 3, 4)]
-        return list(dict.fromkeys([f"{v}{space}%" for v in percents if "." in v for space in ("", " ")]
-                                  + [f"{x:.3g}", f"{x:.4f}"]))
-
     return {
-        "1.3": shares(single),
-        "2.1": shares(frag) + [f"{empty}/{EX2_TOKENS}", f"{empty} / {EX2_TOKENS}"],
+        "1.3": share_forms(single),
+        "2.1": share_forms(frag) + [f"{empty}/{EX2_TOKENS}", f"{empty} / {EX2_TOKENS}"],
         "3.3": (quantity_forms(EX3_SESSIONS * EX3_PROMPT * EX3_MIB_PER_TOKEN, MEMORY_UNITS_MIB,
                                ["MiB", "GiB"])
                 + quantity_forms(EX3_PROMPT * EX3_MIB_PER_TOKEN, MEMORY_UNITS_MIB, ["MiB"])

@@ -23,7 +23,7 @@ import functools
 from dataclasses import dataclass, field
 
 from ..memory import BlockAllocator, BlockTable
-from ._grading import check_close, fail, graded, passed, read_count, shown
+from ._grading import check_exact, fail, graded, passed, read_count, read_sequence
 
 # ---- exercise 10.1: what a chat's follow-up turn reuses ----------------------------------------------
 EX1_SYSTEM = 100          # system prompt tokens
@@ -128,7 +128,7 @@ def check_follow_up_reuse(hash_tokens: object, radix_tokens: object, radix_page1
                "radix_page1_tokens": radix_page1_tokens}
     for name, value in answers.items():
         policy, bs = EX1_CACHES[name]
-        check_close(name, read_count(name, value), measured[name], rel=0, mistakes=_ex1_mistakes(name),
+        check_exact(name, read_count(name, value), measured[name], mistakes=_ex1_mistakes(name),
                     hint=f"Which of turn 2's tokens had their K and V computed before, and how does the "
                          f"{policy} cache with {bs}-token pages cut a match?")
     h, r, r1 = (measured[k] for k in EX1_CACHES)
@@ -232,42 +232,59 @@ def _ex2_measured() -> tuple[tuple[int, ...], tuple[int, ...], frozenset[int], t
     return order, hashed, held, tails
 
 
-def _holder(block: int) -> str:
-    """The running request of a fresh scenario whose table holds ``block``."""
-    tables = eviction_scenario("radix").tables
-    return next(name for name, table in tables.items() if block in table.block_ids)
-
-
-def _children_below(block: int) -> list[int]:
-    """Blocks cached right after ``block`` in some path of the radix tree, on a fresh scenario."""
+def _order_if(rule: str) -> tuple[int, ...]:
+    """The blocks three allocations would take from a fresh scenario under a mistaken ``rule``:
+    "mru" (most recently used leaf first), "first" (a leaf's first block, not its last), "no-parent"
+    (a parent never becomes a leaf), "fifo" (the order blocks were first filled)."""
     tree = eviction_scenario("radix").allocator.radix
-    found = []
-    for node in tree.nodes():
-        if block in node.block_ids:
-            k = node.block_ids.index(block)
-            if k + 1 < len(node.block_ids):
-                found.append(node.block_ids[k + 1])
-            found += [child.block_ids[0] for child in node.children.values() if child.block_ids]
-    return found
+    held = _ex2_measured()[2]
+    leaves = [(leaf.last_access, list(leaf.block_ids)) for leaf in tree.evictable_leaves()]
+    if rule == "fifo":
+        filled = [b for b in range(EX2_POOL) if b not in held]
+        return tuple(filled[:EX2_EVICTIONS])
+    if rule == "no-parent":
+        leaves.sort()
+        return tuple(b for _, blocks in leaves for b in reversed(blocks))[:EX2_EVICTIONS]
+    if rule == "mru":
+        leaves.sort(reverse=True)
+        return tuple(b for _, blocks in leaves for b in reversed(blocks))[:EX2_EVICTIONS]
+    if rule == "first":
+        order = list(_ex2_measured()[0])
+        nodes = {b: list(node.block_ids) for node in tree.nodes() for b in node.block_ids}
+        return tuple(nodes[b][0] if len(nodes[b]) > 1 and b == nodes[b][-1] else b for b in order)
+    raise ValueError(rule)
+
+
+def _ex2_mistakes() -> list[tuple[tuple[int, ...], str]]:
+    """Whole answers that one misunderstanding of eviction gives, and what to say about each (a
+    hint about a whole answer; never which of its blocks is right or wrong)."""
+    order, hashed, _, _ = _ex2_measured()
+    found = [
+        (hashed, "That is a plain LRU queue over blocks, in the order their last holders let them go (what "
+                 "the hash cache evicts). The tree evicts leaves only: a block goes only once nothing cached "
+                 "continues its prefix. Look at the tree's shape: which nodes are leaves, and when does a "
+                 "parent become one?"),
+        (_order_if("mru"), "An LRU cache evicts what was used longest ago, not most recently."),
+        (_order_if("first"), "Within a node, the later block continues the earlier one: a leaf gives back its "
+                             "last block first."),
+        (_order_if("no-parent"), "When a leaf's last block goes, its parent may become a leaf itself, with its "
+                                 "own last use: it competes with the other leaves from then on."),
+        (_order_if("fifo"), "Eviction follows the last use of a node (a match, a publish and a release all "
+                            "count), not the order in which blocks were first filled."),
+    ]
+    return [(answer, hint) for answer, hint in found if answer != order]
 
 
 def _read_blocks(name: str, value: object) -> list[int]:
-    if value is None or value is Ellipsis:
-        fail(f"{name}: no answer yet ({shown(value)}). Give a list of {EX2_EVICTIONS} block ids, "
-             "the first evicted first.")
-    if isinstance(value, str):
-        parts = [p for p in value.replace("[", " ").replace("]", " ").replace(",", " ").split() if p]
-        value = parts
-    if isinstance(value, (set, frozenset, dict)):
-        fail(f"{name}: the order matters: give a list (or tuple) of block ids, the first evicted first, "
-             f"not a {type(value).__name__}.")
-    if not isinstance(value, (list, tuple)):
-        fail(f"{name}: expected a list of {EX2_EVICTIONS} block ids, got {type(value).__name__} {shown(value)}.")
-    blocks = [read_count(f"{name}[{k}]", v) for k, v in enumerate(value)]
+    items = read_sequence(name, value, f"{EX2_EVICTIONS} block ids, the first evicted first")
+    blocks = [read_count(f"{name}[{k}]", v) for k, v in enumerate(items)]
     if len(blocks) != EX2_EVICTIONS:
         fail(f"{name}: expected {EX2_EVICTIONS} block ids (one per allocation), got {len(blocks)}.")
     if len(set(blocks)) != len(blocks):
         fail(f"{name}: a block appears twice; once evicted and handed out, it is no longer cached.")
+    outside = [b for b in blocks if b >= EX2_POOL]
+    if outside:
+        fail(f"{name}: {outside[0]} is not a block of this pool (ids 0 to {EX2_POOL - 1}).")
     return blocks
 
 
@@ -275,41 +292,21 @@ def _read_blocks(name: str, value: object) -> list[int]:
 def check_eviction_order(evicted: object) -> None:
     """Exercise 10.2: after ``eviction_scenario()`` the pool of 8 blocks has no free block left.
     Three requests each need one new block: give the ids of the three blocks the radix tree
-    evicts for them, in order (a list such as ``[x, y, z]``)."""
+    evicts for them, in order (a list, tuple or array such as ``[x, y, z]``)."""
     order, hashed, held, tails = _ex2_measured()
-    blocks = _read_blocks("evicted", evicted)
-    if blocks == list(order):
+    blocks = tuple(_read_blocks("evicted", evicted))
+    if blocks == order:
         note = ("The hash cache would have evicted the same blocks in the same order here." if hashed == order
                 else f"The hash cache's plain LRU queue over blocks would have taken {list(hashed)}: a prefix "
                      "before the cached block that continues it, which then stays in memory, unreachable.")
         passed(f"Exercise 10.2: {order[0]}, then {order[1]}, then {order[2]}: least recently used leaves "
                f"first, never a referenced block, and a parent only once its children are gone. {note}")
         return
-    if blocks == list(hashed):
-        fail("evicted: that is a plain LRU queue over blocks, the order in which their last holders let them "
-             "go (what the hash cache evicts). The tree evicts leaves only: a block goes only once nothing "
-             "cached continues its prefix. Look at the tree's shape: which blocks are leaves, and when does "
-             "a parent become one?")
-    for b in blocks:
-        if b >= EX2_POOL:
-            fail(f"evicted: {b} is not a block of this pool (ids 0 to {EX2_POOL - 1}).")
-        if b in held:
-            fail(f"evicted: block {b} is held by request {_holder(b)}, which is still running (reference "
-                 "count > 0): a referenced block is never evicted.")
-    for k, b in enumerate(blocks):
-        below = [c for c in _children_below(b) if c not in blocks[:k]]
-        if below:
-            fail(f"evicted: block {b} goes while block {below[0]} still hangs below it in the tree. Only "
-                 "leaves are evicted: a prefix whose continuation is cached stays until the "
-                 "continuation has gone.")
-    if blocks[0] == tails[-1]:
-        fail(f"evicted: block {blocks[0]} ends the leaf used most recently of all; an LRU cache evicts "
-             "what was used longest ago.")
-    if set(blocks) == set(order):
-        fail("evicted: the right blocks, in the wrong order. Among the leaves, which was used longest ago? "
-             "And when a leaf goes, what does its parent become?")
-    fail("evicted: not the blocks the tree evicts. Take the leaves whose blocks nobody holds, and order "
-         "them by their last use (a match, a publish and a release all count as a use).")
+    hint = next((h for answer, h in _ex2_mistakes() if answer == blocks), None)
+    fail(f"evicted: {list(blocks)} is not right. " + (hint or
+         "Take the tree's leaves whose blocks nobody holds, order them by their last use (a match, a publish "
+         "and a release all count), give back the least recently used leaf's last block, and look again: the "
+         "tree has changed."))
 
 
 def answer_forms() -> dict[str, list[str]]:

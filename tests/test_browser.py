@@ -212,9 +212,10 @@ def make_lab(tmp_path):
         yield url, token, notebooks
 
 
-def test_make_lab_opens_chapter_00_unmodified_without_news(make_lab, page):
+def test_make_lab_opens_chapter_00_unmodified_without_news(make_lab, page, tmp_path):
     """What a student sees first: chapter 00 open, its kernel started, no pop-up asking about
-    Jupyter news, and the notebook not marked modified (its file untouched)."""
+    Jupyter news, the notebook not marked modified (its file untouched), and no warning in
+    make lab's terminal."""
     url, token, notebooks = make_lab
     first = notebooks / "00_setup_and_tour.ipynb"
     stored = first.read_bytes()
@@ -239,6 +240,8 @@ def test_make_lab_opens_chapter_00_unmodified_without_news(make_lab, page):
     ARTIFACTS.mkdir(exist_ok=True)
     pg.screenshot(path=str(ARTIFACTS / "make_lab_first_view.png"))
     assert first.read_bytes() == stored, "opening chapter 00 rewrote its file"
+    from lab_server import terminal_warnings
+    assert not terminal_warnings((tmp_path / "home" / "make-lab.log").read_text())
 
 
 # ---- chapter 9's beam view -------------------------------------------------------------------

@@ -102,6 +102,13 @@ def running_make_lab(notebooks: Path, home: Path, startup_timeout: float = 90.0)
         log.close()
 
 
+def terminal_warnings(log: str) -> list[str]:
+    """The warnings in a Jupyter server's terminal output: its own (``[W ...]``) and those of
+    Python and of its kernels (``WARNING``, ``...Warning:``). A student should see none."""
+    return [line for line in log.splitlines()
+            if line.startswith("[W ") or "WARNING" in line or "Warning" in line]
+
+
 def wait_until_answers(proc: subprocess.Popen, url: str, timeout_s: float, what: str) -> None:
     """Poll ``url`` until it answers 200; raise, naming ``what``, if ``proc`` exits first or
     ``timeout_s`` passes."""

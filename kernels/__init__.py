@@ -30,20 +30,32 @@ Import-time contract:
   value wins) *before* importing the kernel files, and the Triton kernels run on CPU tensors
   through the interpreter. The variable is process-wide: other Triton code defined later in
   the process is interpreted too (it could not be compiled without a GPU anyway).
+  Triton's own library (``tl.max``, ``tl.cdiv``...) is ``@triton.jit`` code too: when
+  something imported Triton first (``torch._dynamo`` does, and Transformers imports that),
+  it was defined compiled, and an interpreted kernel calling it fails. So then the variable
+  is left unset: the kernels are compiled for a GPU, ``"auto"`` never picks them on a CPU,
+  and ``attention_backend="triton"`` says to set ``TRITON_INTERPRET=1`` before starting.
+  (``labkit.LLM`` imports this package before Transformers, so this only happens to code
+  that imports Triton, Transformers or ``torch._dynamo`` first.)
+* ``TRITON_INTERPRET=0`` in the environment compiles the kernels even without a GPU: that is
+  how ``python -m labkit.bench gpu-compile`` builds them for GPUs it does not have.
 """
 
 import os
+import sys
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and "triton.language" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ._common import HAS_TRITON, index_tensors_checked  # noqa: E402
+from ._common import (  # noqa: E402
+    BF16_MIN_COMPUTE_CAPABILITY, HAS_TRITON, MIN_COMPUTE_CAPABILITY, Launch, index_tensors_checked)
 from .backend import (  # noqa: E402
     BACKENDS,
     AttentionOps,
     FusedOps,
+    default_dtype,
     get_attention_ops,
     select_attention_backend,
     triton_is_interpreted,
@@ -57,8 +69,12 @@ from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa:
 __all__ = [
     "AttentionOps",
     "BACKENDS",
+    "BF16_MIN_COMPUTE_CAPABILITY",
     "FusedOps",
     "HAS_TRITON",
+    "Launch",
+    "MIN_COMPUTE_CAPABILITY",
+    "default_dtype",
     "get_attention_ops",
     "index_tensors_checked",
     "paged_decode_attention",

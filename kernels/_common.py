@@ -2,7 +2,7 @@
 building blocks of the references.
 
 Nothing here is a kernel. Read the kernel files first; come here when one of them calls
-``check_*``, ``gather_paged_kv`` or ``dense_gqa_attention``.
+``check_*``, ``gather_paged_kv``, ``dense_gqa_attention`` or builds a :class:`Launch`.
 
 Triton is imported here, once, with a guard: on a machine without it, ``triton`` and ``tl``
 are stand-ins that let the kernel files *define* their ``@triton.jit`` functions (so the
@@ -13,7 +13,8 @@ error, the moment someone tries to launch one.
 import contextlib
 import math
 import threading
-from typing import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,11 @@ except ImportError as _err:  # pragma: no cover - exercised only where triton is
 
 HAS_TRITON = TRITON_IMPORT_ERROR is None
 SUPPORTED_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The GPUs the kernels are built for (``python -m labkit.bench gpu-compile`` compiles every one
+# of them for sm_75, sm_80, sm_89 and sm_90): compute capability 7.5 (Colab's free T4) and newer,
+# fp16 and fp32 everywhere; bf16 from 8.0 (A100, L4, H100), the first GPUs with bf16 units.
+MIN_COMPUTE_CAPABILITY = (7, 5)
+BF16_MIN_COMPUTE_CAPABILITY = (8, 0)
 MAX_HEAD_DIM = 256
 # The kernels compute exp(x) as exp2(x * log2(e)) (exp2 is the hardware instruction) and fold
 # log2(e) into the softmax scale once, on the host.
@@ -63,6 +69,34 @@ def kernel_is_interpreted(kernel) -> bool:
     decorated object is the ground truth, whatever the environment says now.
     """
     return type(kernel).__name__ == "InterpretedFunction"
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One kernel launch as its launcher decides it on the host: the kernel, its grid, its
+    arguments, and what Triton compiles it for (``constexprs``, ``num_warps``, ``num_stages``).
+
+    Each kernel file has one ``plan_*`` function that builds its launches from the tensors;
+    the launcher checks the tensors, then runs the plan. The ahead-of-time compile check
+    (``python -m labkit.bench gpu-compile``) runs the same plans on stand-in tensors (torch's
+    ``meta`` device: shapes, strides and dtypes, no memory) and compiles them for GPUs it does
+    not have, so what it checks is what the engine launches: the rules that pick the grid and
+    the compile-time constants exist once.
+    """
+
+    kernel: Any                                  # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple                                  # runtime arguments, in the kernel's order
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4                           # Triton's defaults for NVIDIA GPUs, said out loud:
+    num_stages: int = 3                          # the compile check reports what they cost
+
+    @property
+    def name(self) -> str:
+        return getattr(self.kernel, "__name__", None) or self.kernel.fn.__name__
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 # --------------------------------------------------------------------------- checks
@@ -284,6 +318,7 @@ def check_triton_launch(kernel, *tensors: torch.Tensor) -> None:
     - Triton absent: say so.
     - Kernels compiled for a GPU (TRITON_INTERPRET unset at import) but CPU tensors.
     - bf16 under the interpreter: it computes bf16 silently wrong, so refuse instead.
+    - bf16 on a GPU below compute capability 8.0 (the T4): it has no bf16 units.
     """
     if not HAS_TRITON:
         raise RuntimeError(f"Triton is not installed ({TRITON_IMPORT_ERROR}); use the 'torch' "
@@ -305,12 +340,40 @@ def check_triton_launch(kernel, *tensors: torch.Tensor) -> None:
         raise ValueError("bf16 is refused under the Triton interpreter (TRITON_INTERPRET=1): it "
                          "computes bf16 wrongly without an error. Use fp16 or fp32 on CPU; bf16 "
                          "works with the compiled kernels on a GPU")
+    if not interpreted and dtype == torch.bfloat16:
+        why = bf16_unsupported(device)
+        if why:
+            raise ValueError(f"bf16 is refused by the Triton kernels on {why}. Use fp16 there "
+                             "(LLM(dtype='float16'), the default on such a GPU), or the 'torch' attention backend")
+
+
+def gpu_name(device: torch.device) -> str:
+    """``Tesla T4 (compute capability 7.5)``: how messages name a CUDA device."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
+def bf16_unsupported(device: torch.device) -> str | None:
+    """Why ``device``, a CUDA GPU, cannot run the kernels in bf16 (it names the GPU), or None
+    when it can. GPUs below compute capability 8.0 have no bf16 units: their tensor cores
+    multiply fp16, and Triton would have to emulate every bf16 conversion."""
+    if torch.cuda.get_device_capability(device) >= BF16_MIN_COMPUTE_CAPABILITY:
+        return None
+    return f"{gpu_name(device)}: bf16 needs compute capability 8.0+ (this GPU has no bf16 units)"
 
 
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: exact fp32 products for fp32 (the default, tf32, keeps only
     10 mantissa bits on Ampere+ and would miss the 1e-5 contract); fp16/bf16 ignore it."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def kernel_tile(block_size: int) -> int:
+    """Keys per step of the attention kernels' loop: one block of 16 or 32 tokens; two blocks
+    of 8 (tl.dot wants 16+); half a block of 64 (a 64 x 128 fp32 tile does not fit a T4's
+    64 KiB of shared memory, and spills registers elsewhere: python -m labkit.bench gpu-compile).
+    Any works: each token's address comes from the block table."""
+    return min(max(16, block_size), 32)
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -4,7 +4,9 @@ Two backends compute the same three operations (write K/V into the cache, decode
 attention, prefill attention):
 
 * ``"triton"``: the kernels in this package. Compiled, they need an NVIDIA GPU of compute
-  capability 8.0+ (A100, L4, H100...; Colab's free T4 is 7.5 and is refused by Triton).
+  capability 7.5+ (Colab's free T4, A100, L4, H100...): fp16 and fp32 on all of them, bf16
+  from 8.0 (the T4 has no bf16 units). ``python -m labkit.bench gpu-compile`` compiles every
+  kernel for sm_75, sm_80, sm_89 and sm_90 without a GPU, and checks each build fits the GPU.
   On a CPU they can run under the Triton interpreter (``TRITON_INTERPRET=1``): correct, very
   slow, for tests and for stepping through a kernel.
 * ``"torch"``: the references (gather blocks + ``scaled_dot_product_attention``). They run
@@ -19,7 +21,8 @@ attention, prefill attention):
 
 ``"auto"`` picks compiled Triton where it can run, the CPU kernels on a CPU (when Numba
 is installed) and the torch reference elsewhere, and says why, so the engine can print
-the reason once.
+the reason once. :func:`default_dtype` is the dtype the model takes when the user leaves it
+to labkit: fp32, or fp16 on GPUs below compute capability 8.0, whose tensor cores are fp16's.
 
 Interpreter or compiler is decided when the ``@triton.jit`` functions are *defined*, i.e.
 when ``labkit.kernels`` is imported: ``labkit/kernels/__init__.py`` sets
@@ -32,7 +35,8 @@ from typing import Callable
 
 import torch
 
-from ._common import HAS_TRITON, TRITON_IMPORT_ERROR, kernel_is_interpreted
+from ._common import (BF16_MIN_COMPUTE_CAPABILITY, HAS_TRITON, MIN_COMPUTE_CAPABILITY, TRITON_IMPORT_ERROR,
+                      bf16_unsupported, gpu_name, kernel_is_interpreted)
 from .paged_decode_attention import _paged_decode_kernel, paged_decode_attention, paged_decode_attention_ref
 from .paged_prefill_attention import (paged_prefill_attention, paged_prefill_attention_cpu,
                                       paged_prefill_attention_ref)
@@ -40,9 +44,8 @@ from .paged_decode_attention_cpu import HAS_NUMBA, NUMBA_IMPORT_ERROR, paged_dec
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
-MIN_COMPUTE_CAPABILITY = (8, 0)
 _NO_CUDA = ("torch reference: no CUDA device (Triton runs compiled on CUDA GPUs of compute "
-            "capability 8.0+)")
+            "capability 7.5+)")
 
 
 def _cpu_reason(why: str) -> str:
@@ -58,7 +61,7 @@ def _cpu_reason(why: str) -> str:
     return f"CPU kernels: {decode}, {prefill}, torch references for the rest ({why})"
 
 
-_CPU_WHY = "no CUDA device; Triton runs compiled on CUDA GPUs of compute capability 8.0+"
+_CPU_WHY = "no CUDA device; Triton runs compiled on CUDA GPUs of compute capability 7.5+"
 
 
 @dataclass(frozen=True)
@@ -97,14 +100,15 @@ def _check_name(name: str, options: tuple[str, ...]) -> None:
                          + ", ".join(repr(o) for o in options))
 
 
-def select_attention_backend(requested: str = "auto",
-                             device: torch.device | str | None = None) -> tuple[str, str]:
+def select_attention_backend(requested: str = "auto", device: torch.device | str | None = None,
+                             dtype: torch.dtype | None = None) -> tuple[str, str]:
     """Resolve ``requested`` ("auto" | "torch" | "triton" | "cpu") for ``device`` into
     ``(backend, reason)``, backend being "torch", "triton" or "cpu" and reason a sentence
     for the user.
 
-    ``device`` None means CUDA if available, else CPU. "auto" never fails; an explicit
-    "triton" that cannot run raises RuntimeError saying why and what to do.
+    ``device`` None means CUDA if available, else CPU. ``dtype`` is the model's (None: the
+    one it would take by default, :func:`default_dtype`). "auto" never fails; an explicit
+    "triton" that cannot run raises RuntimeError saying why and what to do instead.
     """
     _check_name(requested, BACKENDS)
     if device is None:
@@ -134,8 +138,12 @@ def select_attention_backend(requested: str = "auto",
                 f"attention backend 'triton' on {device} runs the Triton interpreter, but "
                 "labkit.kernels was imported without TRITON_INTERPRET=1, so its kernels are "
                 "compiled for a GPU. Set TRITON_INTERPRET=1 in the environment before anything "
-                "imports labkit.kernels (Triton reads it when the kernels are defined), or use "
-                "'torch' or 'auto'")
+                "imports labkit.kernels or triton (Triton reads it when kernels are defined, its "
+                "own included), or use 'torch' or 'auto'")
+        if dtype == torch.bfloat16:
+            raise RuntimeError("attention backend 'triton' on the CPU runs the Triton interpreter, which "
+                               "computes bf16 wrongly: use dtype='float32' or 'float16' with it, or "
+                               "the 'cpu' or 'torch' backend for bf16")
         return "triton", (f"Triton interpreter on {device} (TRITON_INTERPRET=1): exact but very "
                           "slow, for tests and for stepping through the kernels")
 
@@ -144,19 +152,43 @@ def select_attention_backend(requested: str = "auto",
         if requested == "auto":
             return "torch", f"torch reference: {why}"
         raise RuntimeError(f"attention backend 'triton': {why}; use 'torch' or 'auto'")
-    capability = torch.cuda.get_device_capability(device)
-    gpu = f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
-    if capability < MIN_COMPUTE_CAPABILITY:
-        why = f"{gpu}: Triton needs compute capability 8.0+"
+    gpu = gpu_name(device)
+    if torch.cuda.get_device_capability(device) < MIN_COMPUTE_CAPABILITY:
+        why = f"{gpu}: labkit's Triton kernels are built for compute capability 7.5+ (T4, A100, L4, H100...)"
         if requested == "auto":
             return "torch", f"torch reference: {why}"
         raise RuntimeError(f"attention backend 'triton' cannot run on {why}; use 'torch' or 'auto'")
+    no_bf16 = bf16_unsupported(device) if dtype == torch.bfloat16 else None
+    if no_bf16:
+        if requested == "auto":
+            return "torch", (f"torch reference: {no_bf16}; the Triton kernels run here in fp16 "
+                             "(dtype='float16', the default on this GPU) or fp32")
+        raise RuntimeError(f"attention backend 'triton' cannot run bf16 on {no_bf16}. Use dtype='float16' "
+                           "(the default on this GPU) or 'float32' for the Triton kernels, or the 'torch' "
+                           "backend for bf16")
     if triton_is_interpreted():
         why = "TRITON_INTERPRET=1 was set when labkit.kernels was imported, so Triton would run its slow interpreter"
         if requested == "auto":
             return "torch", f"torch reference: {why}"
         return "triton", f"Triton interpreter on {gpu}: {why}"
     return "triton", f"Triton kernels compiled for {gpu}"
+
+
+def default_dtype(device: torch.device | str | None = None) -> tuple[torch.dtype, str]:
+    """The model's dtype (activations, weights, KV cache) when the user leaves it to labkit
+    (``dtype="auto"``) on ``device``, and a sentence saying why.
+
+    fp32 by default: in fp32 the engine gives Transformers' greedy tokens exactly. On a CUDA
+    GPU below compute capability 8.0 (Colab's free T4) fp16: its tensor cores multiply fp16
+    (65 TFLOPS on a T4, against 8 in fp32) and it has no bf16, so fp16 is what its Triton
+    kernels and matmuls run fast in.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if (device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) < BF16_MIN_COMPUTE_CAPABILITY):
+        return torch.float16, (f"float16, the default on {gpu_name(device)}: its tensor cores multiply "
+                               "fp16 and it has no bf16; dtype='float32' for fp32")
+    return torch.float32, "float32"
 
 
 _TORCH_OPS = AttentionOps("torch", reshape_and_cache_ref, paged_decode_attention_ref,

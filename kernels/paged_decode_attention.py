@@ -19,8 +19,8 @@ What one program computes (grid = sequences x KV heads):
   heads that read it, as the rows of a small matrix, so each KV block is read from memory
   once per KV head, not once per query head. Decode is memory-bound: this is the saving.
 * **Paging.** The keys are walked in tiles of ``TILE`` tokens; each token's cache address
-  comes from the block table. With ``block_size >= 16`` a tile is exactly one block; with
-  block size 8 a tile spans two.
+  comes from the block table. With blocks of 16 or 32 tokens a tile is exactly one block;
+  with blocks of 8 a tile spans two, with blocks of 64 it is half of one (``kernel_tile``).
 * **Online softmax.** softmax(q K^T) V is computed in one pass over the tiles, never holding
   all scores: keep, per query row, the running maximum ``m``, the running denominator ``l``
   and the running output ``acc``; when a tile raises the maximum, rescale ``l`` and ``acc``
@@ -56,9 +56,11 @@ from labkit.utils import cdiv
 
 from ._common import (
     LOG2E,
+    Launch,
     check_attention_inputs,
     check_triton_launch,
     dot_precision,
+    kernel_tile,
     next_power_of_2,
     padded_head_dim,
     paged_attention_torch,
@@ -145,7 +147,15 @@ def attend_token_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset
     return m_i, l_i, acc
 
 
-@triton.jit
+# Triton compiles a kernel again for each new "specialization" of its integer arguments (equal
+# to 1, a multiple of 16, anything else). Strides that follow the batch (the block table's
+# width, the number of partitions) would make the engine recompile as contexts grow, and make
+# the build the compile check (labkit.bench.gpu_compile) proves differ from the one that runs:
+# they are not specialized. Every other integer argument is fixed by the model's shapes.
+_BATCH_STRIDES = ["stride_bt", "stride_ms", "stride_mh", "stride_as", "stride_ah"]
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     qk_scale,                                   # softmax scale * log2(e)
@@ -174,7 +184,7 @@ def _paged_decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_STRIDES)
 def _paged_decode_split_kernel(
     m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     qk_scale,
@@ -210,7 +220,7 @@ def _paged_decode_split_kernel(
                  + d[None, :] * stride_ad, acc, mask=row_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_STRIDES[1:])
 def _paged_decode_reduce_kernel(
     out_ptr, m_ptr, l_ptr, acc_ptr, context_lens_ptr,
     stride_os, stride_oh, stride_od,
@@ -282,65 +292,68 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
     num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks_per_seq] int32;
     context_lens [num_seqs] int32, each >= 1 (the query's own K/V already cached);
-    ``scale`` multiplies q.k (usually head_dim ** -0.5). fp32, fp16, and bf16 on a GPU.
+    ``scale`` multiplies q.k (usually head_dim ** -0.5). fp32 and fp16; bf16 on GPUs of
+    compute capability 8.0+.
     ``partition_size``: None chooses (:func:`choose_partition_size`; never off a GPU), 0
     never splits, N splits every context into partitions of N tokens (a multiple of the
-    kernel's tile, ``max(16, block_size)``), flash-decoding style.
+    kernel's tile, :func:`kernel_tile` of the block size), flash-decoding style.
     """
-    group = check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
     check_triton_launch(_paged_decode_kernel, q, k_cache, v_cache, block_tables, context_lens)
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype")
-    num_seqs, _, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
-    if num_seqs == 0:
-        return out
-    tile = max(16, block_size)
+    if q.shape[0]:
+        for launch in plan_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, partition_size):
+            launch()
+    return out
+
+
+def plan_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                partition_size: int | None = None, num_sms: int | None = None) -> list[Launch]:
+    """The launches of one decode call (arguments already checked): the unsplit kernel, or
+    the split kernel then the reduce, whose partials it allocates here (fp32, on q's device).
+    ``num_sms``: the GPU's multiprocessors, for :func:`choose_partition_size` (None: q's device's).
+
+    Everything is decided from shapes, dtypes and the device, never from tensor values, so
+    ``python -m labkit.bench gpu-compile`` can plan the same launches on ``meta`` tensors.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    tile = kernel_tile(block_size)
     # The longest context the block tables can describe: known on the host, no device sync.
     max_context_len = block_tables.shape[1] * block_size
     if partition_size is None:
-        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_context_len, multiprocessor_count(q.device), tile)
+        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_context_len,
+                                               num_sms or multiprocessor_count(q.device), tile)
     if not isinstance(partition_size, int) or partition_size < 0 or partition_size % tile:
         raise ValueError(f"partition_size must be 0 (no split) or a positive multiple of the kernel's "
-                         f"tile, max(16, block_size) = {tile}; got {partition_size!r}")
-    if partition_size:
-        return _split_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, group,
-                             cdiv(max_context_len, partition_size), partition_size, tile)
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, context_lens,
-        scale * LOG2E,
-        *q.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim),
-        BLOCK_SIZE=block_size, TILE=max(16, block_size),
-        DOT_PRECISION=dot_precision(q.dtype),
-    )
-    return out
-
-
-def _split_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, group,
-                  num_partitions, partition_size, tile):
-    """The flash-decoding path: partials per (sequence, KV head, partition), then the reduce."""
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+                         f"tile ({tile} tokens for blocks of {block_size}); got {partition_size!r}")
+    group = num_heads // num_kv_heads
+    shapes = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
+                  HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim))
+    tiles = dict(BLOCK_SIZE=block_size, TILE=tile, DOT_PRECISION=dot_precision(q.dtype))
+    # 8 warps once a K/V tile reaches 32 x 128: with 4, fp32 builds spill registers on
+    # sm_89 and sm_90 (python -m labkit.bench gpu-compile; docs/gpu.md has the figures).
+    warps = 8 if tile * shapes["HEAD_DIM_PAD"] >= 4096 else 4
+    if not partition_size:
+        return [Launch(_paged_decode_kernel, (num_seqs, num_kv_heads),
+                       (out, q, k_cache, v_cache, block_tables, context_lens, scale * LOG2E,
+                        *q.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0)),
+                       {**shapes, **tiles}, num_warps=warps)]
+    num_partitions = cdiv(max_context_len, partition_size)
     m = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(num_seqs, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
-    shapes = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
-                  HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim))
-    _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        m, l, acc, q, k_cache, v_cache, block_tables, context_lens,
-        scale * LOG2E,
-        *q.stride(), *k_cache.stride(), block_tables.stride(0), *m.stride(), *acc.stride(),
-        **shapes, BLOCK_SIZE=block_size, TILE=tile, PARTITION=partition_size,
-        DOT_PRECISION=dot_precision(q.dtype),
-    )
-    _paged_decode_reduce_kernel[(num_seqs, num_kv_heads)](
-        out, m, l, acc, context_lens, *out.stride(), *m.stride(), *acc.stride(),
-        **shapes, PARTITION=partition_size,
-    )
-    return out
+    split = Launch(_paged_decode_split_kernel, (num_seqs, num_kv_heads, num_partitions),
+                   (m, l, acc, q, k_cache, v_cache, block_tables, context_lens, scale * LOG2E,
+                    *q.stride(), *k_cache.stride(), block_tables.stride(0), *m.stride(), *acc.stride()),
+                   {**shapes, **tiles, "PARTITION": partition_size}, num_warps=warps)
+    reduce = Launch(_paged_decode_reduce_kernel, (num_seqs, num_kv_heads),
+                    (out, m, l, acc, context_lens, *out.stride(), *m.stride(), *acc.stride()),
+                    {**shapes, "PARTITION": partition_size})
+    return [split, reduce]
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

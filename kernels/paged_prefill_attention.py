@@ -36,10 +36,12 @@ import torch.nn.functional as F
 
 from ._common import (
     LOG2E,
+    Launch,
     check_attention_inputs,
     check_triton_launch,
     dot_precision,
     gather_paged_kv,
+    kernel_tile,
     next_power_of_2,
     padded_head_dim,
     paged_attention_torch,
@@ -50,11 +52,21 @@ from ._common import (
 from .paged_decode_attention import online_softmax_step, paged_token_offsets
 
 # Rows (query tokens x group heads) per program. 64 keeps tl.dot's M dimension well above
-# its minimum and the accumulator [64, head_dim] comfortably in registers.
+# its minimum and the accumulator [64, head_dim] in registers, with 4 warps up to head dims
+# of 64 and tiles of 16 keys. Past that, 4 warps spill registers: 8 then, and on GPUs before
+# sm_80 (the T4: no asynchronous copies, operands staged through registers) 32 rows for head
+# dims of 128 (python -m labkit.bench gpu-compile measures each choice; docs/gpu.md).
 _QUERY_ROWS = 64
 
 
-@triton.jit
+def _rows_and_warps(head_dim_pad: int, tile: int, capability: tuple[int, int] | None) -> tuple[int, int]:
+    """(query rows, num_warps) of a prefill program for this head dim and key tile on this GPU."""
+    old_gpu = capability is not None and capability < (8, 0)
+    rows = _QUERY_ROWS // 2 if head_dim_pad >= 128 and old_gpu else _QUERY_ROWS
+    return rows, (8 if head_dim_pad >= 128 or tile >= 32 else 4)
+
+
+@triton.jit(do_not_specialize=["stride_bt"])  # the block table's width follows the batch
 def _paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     query_start_loc_ptr,
@@ -131,31 +143,45 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     chunk (so >= the chunk length); query_start_loc [num_seqs + 1] int32.
     Returns ``out`` shaped like ``q``.
     """
-    group = check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     check_triton_launch(_paged_prefill_kernel, q, k_cache, v_cache, block_tables, context_lens,
                         query_start_loc)
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype")
     out = torch.empty_like(q)
-    num_seqs = context_lens.shape[0]
-    if num_seqs == 0 or q.shape[0] == 0:
+    if context_lens.shape[0] == 0 or q.shape[0] == 0:
         return out
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group_pad = next_power_of_2(group)
-    query_tile = max(1, _QUERY_ROWS // group_pad)
     # One host sync: the grid's third axis must cover the longest chunk.
     max_chunk = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_chunk, query_tile))
-    _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        scale * LOG2E,
-        *q.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, QUERY_TILE=query_tile,
-        HEAD_DIM=q.shape[2], HEAD_DIM_PAD=padded_head_dim(q.shape[2]),
-        BLOCK_SIZE=block_size, TILE=max(16, block_size),
-        DOT_PRECISION=dot_precision(q.dtype),
-    )
+    plan_prefill(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_chunk)()
     return out
+
+
+def plan_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                 scale: float, max_chunk: int, capability: tuple[int, int] | None = None) -> Launch:
+    """The prefill launch (arguments already checked; ``max_chunk`` the longest chunk, which
+    sizes the grid): a program owns a query tile of ``QUERY_TILE`` tokens times the padded GQA
+    group, 64 rows (32 on GPUs before sm_80 with head dims past 64), 4 or 8 warps (``_rows_and_warps``).
+    ``capability``: the GPU's (None: q's device's; off a GPU it does not matter)."""
+    num_seqs, num_heads, head_dim = context_lens.shape[0], q.shape[1], q.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if capability is None and q.device.type == "cuda":
+        capability = torch.cuda.get_device_capability(q.device)
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    head_dim_pad, tile = padded_head_dim(head_dim), kernel_tile(block_size)
+    rows, warps = _rows_and_warps(head_dim_pad, tile, capability)
+    query_tile = max(1, rows // group_pad)
+    return Launch(
+        _paged_prefill_kernel, (num_seqs, num_kv_heads, triton.cdiv(max_chunk, query_tile)),
+        (out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale * LOG2E,
+         *q.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0)),
+        dict(GROUP=group, GROUP_PAD=group_pad, QUERY_TILE=query_tile, HEAD_DIM=head_dim,
+             HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE=tile,
+             DOT_PRECISION=dot_precision(q.dtype)),
+        num_warps=warps,
+    )
 
 
 def _ceil_log2(x: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,16 @@ so token ``i`` is copied to ``k_cache[slot // block_size, slot % block_size]``. 
 tokens (or tokens whose cache entry already exists) and is skipped. Both functions check
 every slot against the cache first: the kernel's stores are not bounds-checked.
 
-Layout: ``reshape_and_cache`` is the Triton kernel's wrapper, ``reshape_and_cache_ref``
-the torch reference with the same signature; tests compare them.
+Layout: ``reshape_and_cache`` is the Triton kernel's wrapper (checks, then the launch that
+``plan_reshape_and_cache`` decides), ``reshape_and_cache_ref`` the torch reference with the
+same signature; tests compare them.
 """
 
 import torch
 
 from ._common import (
     INDEX_DTYPES,
+    Launch,
     check_kv_cache,
     check_on_cache_device,
     check_slot_mapping,
@@ -95,16 +97,20 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     """
     _check(key, value, k_cache, v_cache, slot_mapping)
     check_triton_launch(_reshape_and_cache_kernel, key, value, k_cache, v_cache)
-    num_tokens = slot_mapping.shape[0]
-    if num_tokens == 0:
-        return
+    if slot_mapping.shape[0]:
+        plan_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)()
+
+
+def plan_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> Launch:
+    """The cache write's launch (arguments already checked): one program per token, each
+    copying a [kv_heads, head_dim] tile padded to powers of two."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        *key.stride(), *value.stride(), *k_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=next_power_of_2(num_kv_heads), HEAD_DIM_PAD=next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
+    return Launch(
+        _reshape_and_cache_kernel, (slot_mapping.shape[0],),
+        (key, value, k_cache, v_cache, slot_mapping, *key.stride(), *value.stride(), *k_cache.stride()),
+        dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_power_of_2(num_kv_heads),
+             HEAD_DIM_PAD=next_power_of_2(head_dim), BLOCK_SIZE=block_size),
     )
 
 

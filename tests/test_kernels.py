@@ -4,8 +4,9 @@ reference against a naive dense attention that reads the cache token by token.
 The Triton cases run twice when they can: on CPU through the Triton interpreter (the
 kernels must then have been defined under TRITON_INTERPRET=1, which this module and
 ``labkit.kernels`` arrange on machines without CUDA) and compiled on a CUDA GPU of compute
-capability 8.0+ (marked ``gpu``; skipped elsewhere with the reason). Interpreter shapes
-are kept tiny: the interpreter runs one program at a time in numpy.
+capability 7.5+ (marked ``gpu``; skipped elsewhere with the reason). Interpreter shapes
+are kept tiny: the interpreter runs one program at a time in numpy. That the kernels
+compile for the GPUs students get (sm_75 to sm_90) is tests/test_gpu_compile.py's to show.
 
 Every paged batch here is adversarial on purpose: blocks are shuffled over the pool,
 unused block-table entries hold garbage (huge and negative ids), and every cache slot no
@@ -35,9 +36,9 @@ from labkit.utils import cdiv  # noqa: E402
 
 def _cuda_skip_reason() -> str | None:
     if not torch.cuda.is_available():
-        return "no CUDA device: compiled Triton kernels need an NVIDIA GPU of compute capability 8.0+"
-    if torch.cuda.get_device_capability() < (8, 0):
-        return f"{torch.cuda.get_device_name()} is below compute capability 8.0 (Triton needs 8.0+)"
+        return "no CUDA device: compiled Triton kernels need an NVIDIA GPU of compute capability 7.5+"
+    if torch.cuda.get_device_capability() < K.MIN_COMPUTE_CAPABILITY:
+        return f"{torch.cuda.get_device_name()} is below compute capability 7.5 (the kernels are built for 7.5+)"
     if K.triton_is_interpreted():
         return "TRITON_INTERPRET=1 was set when labkit.kernels was imported: nothing runs compiled"
     return None
@@ -138,6 +139,7 @@ DECODE_CASES = [
 PREFILL_CASES = [
     pytest.param(8, 2, 2, 64, [(0, 5), (3, 1), (8, 16), (13, 20)], id="bs8-g1"),
     pytest.param(16, 9, 3, 64, [(0, 1), (16, 16), (5, 30), (40, 3)], id="bs16-g3"),
+    pytest.param(64, 4, 1, 64, [(0, 70), (60, 9), (64, 1)], id="bs64-g4"),
     pytest.param(32, 8, 2, 128, [(0, 33), (32, 1), (7, 9)], id="bs32-g4-d128"),
 ]
 
@@ -534,7 +536,7 @@ for bad in (10**9, -10**9, 4):
 
 def test_auto_on_cpu_is_the_cpu_kernels_or_the_torch_reference():
     backend, reason = K.select_attention_backend("auto", "cpu")
-    assert "no CUDA device" in reason and "8.0" in reason
+    assert "no CUDA device" in reason and "7.5" in reason
     assert backend == ("cpu" if K.backend.HAS_NUMBA else "torch")
     if backend == "cpu":
         ops = K.get_attention_ops("cpu")
@@ -571,6 +573,76 @@ def test_triton_on_cpu_without_interpreter_says_how_to_fix(monkeypatch):
     monkeypatch.setattr(K.backend, "triton_is_interpreted", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         K.select_attention_backend("triton", "cpu")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA GPU of the given (name, capability), as far as labkit's checks can tell, with
+    the kernels compiled for it (not interpreted): ``fake_gpu("Tesla T4", (7, 5))``."""
+    def install(name: str, capability: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(K.backend, "HAS_TRITON", True)
+        monkeypatch.setattr(K.backend, "triton_is_interpreted", lambda: False)
+    return install
+
+
+def test_auto_on_a_t4_is_triton_in_fp16_and_fp32(fake_gpu):
+    fake_gpu("Tesla T4", (7, 5))
+    for dtype in (None, torch.float16, torch.float32):
+        backend, reason = K.select_attention_backend("auto", "cuda", dtype)
+        assert backend == "triton" and reason == "Triton kernels compiled for Tesla T4 (compute capability 7.5)"
+    assert K.select_attention_backend("triton", "cuda", torch.float16)[0] == "triton"
+    assert K.default_dtype("cuda")[0] == torch.float16
+
+
+def test_bf16_on_a_t4_falls_back_to_the_torch_reference_or_is_refused(fake_gpu):
+    fake_gpu("Tesla T4", (7, 5))
+    backend, reason = K.select_attention_backend("auto", "cuda", torch.bfloat16)
+    assert backend == "torch"
+    assert "Tesla T4 (compute capability 7.5): bf16 needs compute capability 8.0+" in reason
+    assert "dtype='float16'" in reason
+    with pytest.raises(RuntimeError, match=r"cannot run bf16 on Tesla T4.*dtype='float16'.*'torch' backend"):
+        K.select_attention_backend("triton", "cuda", torch.bfloat16)
+    # and the launchers themselves refuse it, before Triton would see it
+    from types import SimpleNamespace
+    from labkit.kernels._common import check_triton_launch
+    t = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"bf16 is refused by the Triton kernels on Tesla T4.*dtype='float16'"):
+        check_triton_launch(object(), t, t)
+    check_triton_launch(object(), SimpleNamespace(device=t.device, dtype=torch.float16))   # fp16 passes
+
+
+def test_gpus_from_sm_80_run_bf16_and_older_ones_than_the_t4_run_no_kernel(fake_gpu):
+    fake_gpu("NVIDIA A100-SXM4-40GB", (8, 0))
+    assert K.select_attention_backend("auto", "cuda", torch.bfloat16)[0] == "triton"
+    assert K.default_dtype("cuda")[0] == torch.float32
+    fake_gpu("Tesla V100-SXM2-16GB", (7, 0))
+    backend, reason = K.select_attention_backend("auto", "cuda", torch.float16)
+    assert backend == "torch" and "built for compute capability 7.5+" in reason
+    with pytest.raises(RuntimeError, match="cannot run on Tesla V100.*use 'torch' or 'auto'"):
+        K.select_attention_backend("triton", "cuda")
+
+
+def test_the_model_dtype_follows_the_gpu_unless_asked(fake_gpu):
+    from labkit.model.runner import resolve_dtype
+    assert resolve_dtype("auto", "cpu") == (torch.float32, "float32")
+    fake_gpu("Tesla T4", (7, 5))
+    dtype, why = resolve_dtype("auto", "cuda")
+    assert dtype == torch.float16
+    assert why.startswith("float16, the default on Tesla T4 (compute capability 7.5)") and "dtype='float32'" in why
+    assert resolve_dtype("float32", "cuda") == (torch.float32, "float32")       # asked: kept
+    assert resolve_dtype(torch.bfloat16, "cuda") == (torch.bfloat16, "bfloat16")
+    with pytest.raises(ValueError, match="unknown dtype 'half32'; choose 'auto' or one of float32, fp32"):
+        resolve_dtype("half32", "cuda")
+
+
+def test_triton_interpreter_refuses_bf16_when_the_backend_is_chosen():
+    if _interpreter_skip_reason():
+        pytest.skip(_interpreter_skip_reason())
+    with pytest.raises(RuntimeError, match="computes bf16 wrongly"):
+        K.select_attention_backend("triton", "cpu", torch.bfloat16)
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -684,6 +756,89 @@ def test_split_decode_fp16_matches_ref(device):
     ref = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out, ref, **TOL[torch.float16])
+
+
+# ------------------------------------------------------------------ fp16 against fp32
+# What a T4 runs. fp16 keeps 11 significant bits (unit roundoff u = 2**-11 ~ 4.9e-4). The
+# kernels and references read fp16, accumulate in fp32 and round the output once; against an
+# fp32 computation on the unrounded inputs the inputs' rounding adds its share. Attention
+# outputs here are at most ~4 in magnitude, so 5e-3 absolute and relative (~10 u) holds with
+# room: measured at most 1.5e-3 (decode and prefill, kernels and references alike).
+FP16_VS_FP32 = dict(atol=5e-3, rtol=5e-3)
+
+
+def _half(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.half() for t in tensors]
+
+
+FP16_OPS = [pytest.param("ref", id="torch-ref"), pytest.param("cpu", id="cpu-backend"),
+            pytest.param("triton", id="triton-interpreter")]
+
+
+def _ops(which: str) -> K.AttentionOps:
+    if which == "triton" and _interpreter_skip_reason():
+        pytest.skip(_interpreter_skip_reason())
+    if which == "cpu" and not K.backend.HAS_NUMBA:
+        pytest.skip("the 'cpu' backend needs Numba")
+    return K.get_attention_ops({"ref": "torch"}.get(which, which))
+
+
+@pytest.mark.parametrize("which", FP16_OPS)
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, context_lens", DECODE_CASES[:3])
+def test_fp16_decode_is_fp32_within_fp16_rounding(which, block_size, num_heads, num_kv_heads, head_dim,
+                                                  context_lens):
+    ops = _ops(which)
+    q, k_cache, v_cache, tables, lens = make_decode_batch(block_size, num_heads, num_kv_heads, head_dim,
+                                                          context_lens)
+    fp32 = K.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    out = ops.decode(*_half(q, k_cache, v_cache), tables, lens, head_dim ** -0.5)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), fp32, **FP16_VS_FP32)
+
+
+@pytest.mark.parametrize("which", FP16_OPS)
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads, head_dim, chunks", PREFILL_CASES[1:])
+def test_fp16_prefill_is_fp32_within_fp16_rounding(which, block_size, num_heads, num_kv_heads, head_dim, chunks):
+    ops = _ops(which)
+    q, k_cache, v_cache, tables, lens, starts, _ = make_prefill_batch(block_size, num_heads, num_kv_heads,
+                                                                      head_dim, chunks)
+    fp32 = K.paged_prefill_attention_ref(q, k_cache, v_cache, tables, lens, starts, head_dim ** -0.5)
+    out = ops.prefill(*_half(q, k_cache, v_cache), tables, lens, starts, head_dim ** -0.5)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), fp32, **FP16_VS_FP32)
+
+
+@pytest.mark.parametrize("which", FP16_OPS)
+def test_fp16_cache_write_rounds_fp32_activations_once(which):
+    """An fp16 cache written from fp32 or fp16 activations holds their fp16 rounding, exactly."""
+    ops = _ops(which)
+    key, value = torch.randn(2, 5, 3, 64).unbind(0)
+    slots = torch.tensor([3, -1, 17, 8, 30])
+    for k, v in ((key, value), (key.half(), value.half())):
+        k_cache, v_cache = torch.zeros(2, 4, 8, 3, 64, dtype=torch.float16).unbind(0)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, slots)
+        keep = slots >= 0
+        assert torch.equal(k_cache.view(-1, 3, 64)[slots[keep]], key[keep].half())
+        assert torch.equal(v_cache.view(-1, 3, 64)[slots[keep]], value[keep].half())
+
+
+def test_prefill_as_planned_for_a_t4_matches_ref():
+    """On GPUs before sm_80 a prefill program of head dim 128 takes 32 query rows, not 64 (the
+    compile check's register figures): that plan, run by the interpreter, is still exact."""
+    if _interpreter_skip_reason():
+        pytest.skip(_interpreter_skip_reason())
+    from labkit.kernels.paged_prefill_attention import plan_prefill
+    for dtype in (torch.float32, torch.float16):
+        q, k_cache, v_cache, tables, lens, starts, chunk_lens = make_prefill_batch(
+            16, 4, 2, 128, [(0, 40), (9, 23)], dtype)
+        out = torch.empty_like(q)
+        t4 = plan_prefill(out, q, k_cache, v_cache, tables, lens, starts, 128 ** -0.5, max(chunk_lens), (7, 5))
+        a100 = plan_prefill(out, q, k_cache, v_cache, tables, lens, starts, 128 ** -0.5, max(chunk_lens), (8, 0))
+        assert t4.constexprs["QUERY_TILE"] * t4.constexprs["GROUP_PAD"] == 32 and t4.num_warps == 8
+        assert a100.constexprs["QUERY_TILE"] * a100.constexprs["GROUP_PAD"] == 64
+        t4()
+        ref = K.paged_prefill_attention_ref(q, k_cache, v_cache, tables, lens, starts, 128 ** -0.5)
+        torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
 @pytest.mark.parametrize("partition_size", [8, 24, -16, 16.0])

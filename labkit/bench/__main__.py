@@ -21,6 +21,7 @@ COMMANDS = {
     "step": "one engine iteration (a decode batch, a long prefill) and attention's share of it",
     "swap": "preemption by swapping vs recomputation, by block size (paper's Figure 19)",
     "gpu-check": "everything that needs a GPU: gpu tests, kernel bandwidth, engine = Transformers on CUDA",
+    "gpu-compile": "every Triton kernel compiled for T4/A100/L4/H100 without a GPU: shared memory, registers, spills",
     "sharing": "memory saved by sharing blocks: parallel sampling and beam search (paper's Figure 15)",
     "prefix": "prefix caching policies side by side: hash blocks vs radix tree vs none, per workload",
 }

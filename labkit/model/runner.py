@@ -188,9 +188,10 @@ class ModelRunner:
 
     def __init__(self, model: str | LoadedModel = "smollm2-135m", block_size: int = 16,
                  num_blocks: int | None = None, kv_budget_bytes: int | None = None,
-                 attention_backend="auto", dtype: torch.dtype = torch.float32, device="cpu",
+                 attention_backend="auto", dtype: torch.dtype | str = torch.float32, device="cpu",
                  num_threads: int | None = None):
         self.device = torch.device(device)
+        dtype, self.dtype_reason = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
             # Use every core we may run on, unless the user pinned a count (OMP_NUM_THREADS).
             if num_threads is None and "OMP_NUM_THREADS" not in os.environ:
@@ -212,7 +213,7 @@ class ModelRunner:
         self.model = LlamaModel(self.spec, self.config, sd).to(self.device).eval()
         del sd
 
-        self.ops, self.attention_backend_reason = _resolve_backend(attention_backend, self.device)
+        self.ops, self.attention_backend_reason = _resolve_backend(attention_backend, self.device, dtype)
         self.attention_backend = getattr(self.ops, "name", type(self.ops).__name__)
         if getattr(self.ops, "fused", None) is not None and dtype not in (torch.float32, torch.bfloat16):
             self.ops = dataclasses.replace(self.ops, fused=None)  # the fused C++ ops take fp32 and bf16 only
@@ -266,11 +267,34 @@ class ModelRunner:
                 f"{self.kv_cache})")
 
 
-def _resolve_backend(backend, device: torch.device):
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device) -> tuple[torch.dtype, str]:
+    """The model's dtype from what the user gave: ``"auto"`` (labkit chooses for ``device``:
+    fp32, or fp16 on GPUs below compute capability 8.0 such as Colab's T4; see
+    ``labkit.kernels.default_dtype``), a name of :data:`DTYPES`, or a ``torch.dtype``.
+    Returns (dtype, the words the load line prints)."""
+    # Imported here, before anything loads Transformers (which imports Triton through
+    # torch._dynamo): labkit.kernels must choose Triton's interpreter first on a CPU.
+    from labkit.kernels import default_dtype
+
+    if isinstance(dtype, torch.dtype):
+        return dtype, str(dtype).removeprefix("torch.")
+    if dtype == "auto":
+        return default_dtype(device)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose 'auto' or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype], str(DTYPES[dtype]).removeprefix("torch.")
+
+
+def _resolve_backend(backend, device: torch.device, dtype: torch.dtype | None = None):
     """``backend``: "auto" | "torch" | "triton" (see ``labkit.kernels``), or any object with
     ``reshape_and_cache``, ``decode`` and ``prefill`` methods (e.g. your own kernels).
 
-    Returns (ops, reason): reason says why this backend was chosen.
+    Returns (ops, reason): reason says why this backend was chosen (for ``dtype``: a T4 runs
+    the Triton kernels in fp16 and fp32, not bf16).
     """
     if not isinstance(backend, str):
         for name in ("reshape_and_cache", "decode", "prefill"):
@@ -279,5 +303,5 @@ def _resolve_backend(backend, device: torch.device):
         return backend, "user-supplied attention ops"
     from labkit.kernels import get_attention_ops, select_attention_backend
 
-    name, reason = select_attention_backend(backend, device)
+    name, reason = select_attention_backend(backend, device, dtype)
     return get_attention_ops(name), reason

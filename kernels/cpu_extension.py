@@ -192,9 +192,18 @@ def build_directory(name: str | None = None) -> Path:
 
 
 def is_built(name: str | None = None) -> bool:
-    """Whether this machine's build is compiled already (loading it then compiles nothing)."""
+    """Whether loading this machine's build compiles nothing: it was built, and ninja, asked
+    for a dry run, finds nothing to redo (no object file missing, no input newer)."""
+    import subprocess
     name = name or build_name()
-    return any(build_directory(name).glob(f"{name}*.so"))
+    build_dir = build_directory(name)
+    if not (build_dir / "build.ninja").exists() or not any(build_dir.glob(f"{name}*.so")):
+        return False
+    try:
+        dry = subprocess.run(["ninja", "-C", str(build_dir), "-n"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return dry.returncode == 0 and "no work to do" in dry.stdout
 
 
 def status() -> tuple[bool, str]:

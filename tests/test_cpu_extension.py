@@ -3,8 +3,11 @@ readable references they replace: decode attention, the fused rotary + cache wri
 add + RMSNorm and SiLU * up. Skipped, with the reason, where they cannot be built."""
 
 import os
+import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,3 +347,93 @@ def test_builds_wait_for_each_other_and_a_dead_builder_frees_the_lock(tmp_path):
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once: the OS dropped it
     finally:
         holder.kill()
+
+
+# ---- compiled at setup, found by every later load, never a silent wait --------------------------
+def test_make_setup_compiles_the_kernels():
+    """``make setup`` (so ``make lab`` and ``make test``) ends with ``python -m labkit kernels``."""
+    import shutil
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(["make", "--no-print-directory", "-n", "-C", str(root), "setup",
+                          f"VENV={Path(sys.executable).parent.parent}"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "-m labkit kernels" in run.stdout, run.stdout
+
+
+def test_the_kernels_were_built_before_the_tests_started():
+    """Under ``make test``, setup compiled the kernels: the build loads without compiling, and
+    its library is older than this test process (nothing in the test run compiled it)."""
+    if "MAKELEVEL" not in os.environ:
+        pytest.skip("checks what `make test`'s setup step left; this run did not come through make")
+    if cpu_extension._why_not() is not None:
+        pytest.skip(f"not built here: {cpu_extension._why_not()}")
+    psutil = pytest.importorskip("psutil")
+    assert cpu_extension.is_built(), f"make setup left no up-to-date build in {cpu_extension.build_directory()}"
+    library = next(cpu_extension.build_directory().glob("*.so"))
+    assert library.stat().st_mtime < psutil.Process().create_time(), f"{library} was compiled during the tests"
+
+
+def test_sources_are_staged_once_so_every_checkout_shares_the_build(tmp_path, monkeypatch):
+    """ninja rebuilds on a new source path or a newer time: the build compiles copies kept in
+    its own directory, rewritten only when their content changes (a fresh clone, CI's copy or
+    a wheel elsewhere on disk then load the same build without compiling)."""
+    csrc = tmp_path / "checkout" / "csrc"
+    csrc.mkdir(parents=True)
+    (csrc / "a.cpp").write_text("int a();")
+    (csrc / "v.h").write_text("#pragma once")
+    (csrc / "notes.txt").write_text("not a source")
+    monkeypatch.setattr(cpu_extension, "CSRC", csrc)
+    monkeypatch.setattr(cpu_extension, "SOURCES", (csrc / "a.cpp",))
+    build = tmp_path / "build"
+    assert cpu_extension._stage_sources(build) == [str(build / "src" / "a.cpp")]
+    assert sorted(p.name for p in (build / "src").iterdir()) == ["a.cpp", "v.h"]
+    before = {p.name: p.stat().st_mtime_ns for p in (build / "src").iterdir()}
+    time.sleep(0.01)
+    (csrc / "a.cpp").write_text("int a();")                  # touched, not changed
+    cpu_extension._stage_sources(build)
+    assert {p.name: p.stat().st_mtime_ns for p in (build / "src").iterdir()} == before
+    (csrc / "v.h").write_text("#pragma once // v2")          # changed: copied again
+    cpu_extension._stage_sources(build)
+    assert (build / "src" / "v.h").read_text().endswith("v2")
+
+
+@pytest.fixture
+def fresh_loader(tmp_path, monkeypatch):
+    """cpu_extension.load() as in a new process on a machine where nothing is built yet,
+    with torch's builder replaced by one that takes a second and builds nothing."""
+    import torch.utils.cpp_extension as builder
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(cpu_extension, "_module", None)
+    monkeypatch.setattr(cpu_extension, "_reason", None)
+    monkeypatch.setattr(cpu_extension, "_why_not", lambda: None)
+    compiled = []
+
+    def fake_build(name, sources, **kwargs):
+        time.sleep(1.2)
+        compiled.append(name)
+        return "the module"
+    monkeypatch.setattr(builder, "load", fake_build)
+    return compiled
+
+
+def test_a_first_compile_says_how_long_it_takes_and_took(fresh_loader, capsys):
+    assert cpu_extension.load() == "the module" and len(fresh_loader) == 1
+    err = capsys.readouterr().err
+    assert cpu_extension.COMPILE_TIME in err and "make setup" in err
+    assert re.search(r"compiling the C\+\+ CPU kernels\.\.\. done in [12] s", err), err
+    assert cpu_extension.load() == "the module" and len(fresh_loader) == 1     # once per process
+
+
+def test_a_load_waiting_for_another_build_says_so(fresh_loader, capsys):
+    import fcntl
+    import threading
+    build_dir = cpu_extension.build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.with_name(build_dir.name + ".labkit-lock"), "a+") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)                     # "another process" builds for 1.5 s
+        threading.Timer(1.5, fcntl.flock, (other, fcntl.LOCK_UN)).start()
+        assert cpu_extension.load() == "the module"
+    err = capsys.readouterr().err
+    assert re.search(r"waiting for another process compiling the C\+\+ CPU kernels\.\.\. done in [12] s", err), err

@@ -70,7 +70,7 @@ RULES = [
     Rule(r"python -m labkit serve\b", "server", timeout_s=240, slow=True),
     Rule(r"python -c \"import secrets\b.*> keys\.txt$", "skip",
          "writes a class's keys file into the clone; tests/test_classroom.py makes and reads one"),
-    Rule(r"curl ", "skip", "talks to the server a snippet above starts; the 'server' rule sends it a request"),
+    Rule(r"curl ", "skip", "talks to the server a snippet above starts: the 'server' rule runs it against that server"),
     Rule(r"python -m labkit\.bench serve\b", "parse", "minutes of the real model with each engine: run it by hand"),
     Rule(r"python -m labkit\.bench\b", "run", timeout_s=600, slow=True),
     Rule(r"python -m labkit\.notebooks check\b", "run", timeout_s=120),
@@ -222,13 +222,34 @@ def _check_server(command: str, timeout_s: int) -> None:
             wait_until_answers(proc, f"{base}/v1/models", timeout_s, repr(command))
         except RuntimeError as e:
             pytest.fail(f"{e}:\n{proc.stdout.read()[-3000:] if proc.poll() is not None else ''}")
-        request = urllib.request.Request(f"{base}/v1/completions", headers={"Content-Type": "application/json"},
-                                         data=json.dumps({"prompt": "Hello", "max_tokens": 8}).encode())
-        with urllib.request.urlopen(request, timeout=120) as r:            # the README's curl
-            body = json.load(r)
-        assert body["choices"] and body["usage"]["completion_tokens"] >= 1, body
+        clients = [c for lang, c, _ in readme_snippets() if lang == "bash" and c.startswith("curl ")
+                   and f"127.0.0.1:{port}/" in c]
+        assert clients, f"the README shows no curl request for the server it starts with {command!r}"
+        for client in clients:
+            body = _send_as_written(client)
+            text = body["choices"][0]["text"]
+            assert body["usage"]["completion_tokens"] >= 1 and text.strip(), \
+                f"the README's request to {command!r} answered no text: {body}"
     finally:
         stop_group(proc)
+
+
+def _send_as_written(curl: str) -> dict:
+    """The README's curl command, run as written (or, without curl, the same request sent
+    by urllib); returns the JSON answer."""
+    import shlex
+    if shutil.which("curl"):
+        run = subprocess.run(["bash", "-c", f"{curl} --silent --show-error --fail --max-time 120"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, f"{curl!r} failed: {run.stderr}"
+        return json.loads(run.stdout)
+    argv = shlex.split(curl)
+    url = next(a for a in argv[1:] if a.startswith("http"))
+    headers = dict(h.split(": ", 1) for h in (argv[i + 1] for i, a in enumerate(argv) if a == "-H"))
+    data = next(argv[i + 1] for i, a in enumerate(argv) if a in ("-d", "--data"))
+    request = urllib.request.Request(url, data=data.encode(), headers=headers)
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.load(r)
 
 
 # ---- what the README says agrees with the files it describes ------------------------------------
@@ -271,3 +292,43 @@ def test_bench_help_is_plain_text_and_a_bare_command_prints_it(capsys):
         assert e.value.code == 0 and f"python -m labkit.bench {name}" in out, name
         assert "``" not in out, f"python -m labkit.bench {name} --help shows RST markup"
     assert main(["nope"]) == 2 and "choose from: memory" in capsys.readouterr().err
+
+
+# ---- the command line: answers at once, exit codes that mean something --------------------------
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -X importtime ARGS`` in a fresh process: its output, and in stderr the modules it imported."""
+    return subprocess.run([sys.executable, "-X", "importtime", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _imported(run: subprocess.CompletedProcess) -> set[str]:
+    return {line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("args, code, says", [
+    (["-m", "labkit", "--help"], 0, "serve"),
+    (["-m", "labkit", "serve", "--help"], 0, "--attention-backend"),
+    (["-m", "labkit.bench"], 0, "startup"),                    # the list of benchmarks: what was asked for
+    (["-m", "labkit.bench", "--help"], 0, "sharing"),
+    (["-m", "labkit"], 2, "COMMAND"),                          # no command: the help, and a failing status
+    (["-m", "labkit.bench", "nope"], 2, "unknown benchmark 'nope'"),
+    (["-m", "labkit", "serve", "--port", "eighty"], 2, "invalid int value"),
+    (["-m", "labkit", "serve", "--attention-backend", "fast"], 2, "invalid choice"),
+])
+def test_cli_answers_without_importing_torch(args, code, says):
+    """Help, the benchmark list and argument errors come from the parsers alone: no torch, no
+    server, so they answer in a fraction of a second (``python -m labkit.bench startup``)."""
+    run = _cli(*args)
+    assert run.returncode == code, run.stdout + run.stderr[-2000:]
+    assert says in run.stdout + run.stderr
+    imported = _imported(run)
+    assert "labkit" in imported and not imported & {"torch", "transformers", "fastapi"}, \
+        sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers", "fastapi"))
+
+
+def test_cli_written_out_defaults_match_their_sources():
+    """The parser writes two values out (importing them would load torch): they must agree."""
+    from labkit.__main__ import BACKENDS, DEFAULT_MAX_BODY_MIB
+    from labkit.kernels.backend import BACKENDS as KERNEL_BACKENDS
+    from labkit.server.limits import DEFAULT_MAX_BODY_BYTES
+    assert BACKENDS == KERNEL_BACKENDS and DEFAULT_MAX_BODY_MIB << 20 == DEFAULT_MAX_BODY_BYTES

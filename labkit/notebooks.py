@@ -458,7 +458,8 @@ def match_check_cells(submitted, distributed) -> tuple[list[CheckCellMatch], lis
 
     A cell is found by its id (Jupyter keeps cell ids, so an edited check cell, even one
     whose ``# CHECK`` line was removed, is still recognised), else as the first unpaired
-    check cell with the same first line. Returns the pairs, in the distributed order, and
+    check cell with the same first line, else as the first unpaired code cell holding that line
+    further down (a notebook without cell ids whose check cell has code typed above it). Returns the pairs, in the distributed order, and
     the positions of the submitted check cells that stand for none (extra ones). A copy of one
     of the lab's check cells (same first line: a check duplicated to run it again) is neither
     paired nor extra. ``edited`` ignores comments and layout.
@@ -478,6 +479,14 @@ def match_check_cells(submitted, distributed) -> tuple[list[CheckCellMatch], lis
             title = _source(cell).lstrip("\n").splitlines()[0].strip()
             i = next((i for i in checks if i not in used
                       and _source(submitted.cells[i]).lstrip("\n").splitlines()[0].strip() == title), None)
+            if i is not None:
+                found[k] = i
+                used.add(i)
+    for k, (_, cell) in enumerate(wanted):                       # 3. the first line further down (code typed above it)
+        if found[k] is None:
+            title = _source(cell).lstrip("\n").splitlines()[0].strip()
+            i = next((i for i, c in enumerate(submitted.cells) if i not in used and c.get("cell_type") == "code"
+                      and title in (line.strip() for line in _source(c).splitlines())), None)
             if i is not None:
                 found[k] = i
                 used.add(i)

@@ -352,10 +352,10 @@ def run_plan(rng: random.Random, flawed_runs: int, correct_runs: int) -> dict:
     correct ones first), so that a test that counts its calls instead of testing cannot tell
     which run it is in."""
     kinds = [k for k in FLAWED for _ in range(flawed_runs)] + [CORRECT] * correct_runs
-    sorted_ways = (sorted(kinds, key=lambda k: k == CORRECT), sorted(kinds, key=lambda k: k != CORRECT))
     while True:
         rng.shuffle(kinds)
-        if kinds not in sorted_ways:
+        is_correct = [k == CORRECT for k in kinds]
+        if is_correct not in (sorted(is_correct), sorted(is_correct, reverse=True)):   # not split in two
             return {"order": list(kinds)}
 
 

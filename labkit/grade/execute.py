@@ -7,8 +7,9 @@ past the timeout is interrupted and the run goes on with the next cell, and a ke
 The kernel is ipykernel, started by ``sandbox.Sandbox.command``: its sockets are Unix sockets
 in its connection folder (``transport="ipc"``: a sandbox has no network, so no TCP between the
 grader and the kernel), interrupts are sent as messages (a signal would reach the sandbox's
-launcher, not the kernel), and no message larger than ``MAX_MESSAGE`` is accepted from it. The
-outputs are counted (``guard`` stops a notebook that prints too much) and dropped. An answer
+launcher, not the kernel), no message larger than ``MAX_MESSAGE`` is accepted from it, and it
+sends what cells print in pieces (``outstream``) so that all of it is counted. The outputs are
+counted (``guard`` stops a notebook that prints too much) and dropped. An answer
 cell runs nothing itself: its execute request carries the expression that hands its answers in
 (``user_expressions``, evaluated by IPython with ``eval``, past any input or AST transformer a
 notebook installed), and the value comes back in the reply, for the judge.
@@ -37,6 +38,7 @@ TIMED_OUT = "CellTimeout"
 #: seconds (the student's code swallows KeyboardInterrupt, say), the run stops there.
 INTERRUPT_GRACE_S = 15
 MAX_MESSAGE = 16 << 20
+OUTSTREAM = "labkit.grade.outstream.ChunkedOutStream"     # prints reach the grader in countable pieces
 
 
 @dataclass(slots=True)
@@ -84,7 +86,7 @@ class SandboxedKernelManager(AsyncKernelManager):
 
     def format_kernel_cmd(self, extra_arguments=None) -> list[str]:
         self.kernel_spec.interrupt_mode = "message"
-        argv = super().format_kernel_cmd(extra_arguments)
+        argv = super().format_kernel_cmd(extra_arguments) + [f"--IPKernelApp.outstream_class={OUTSTREAM}"]
         env = self._launch_args.get("env") or {}
         return self.box.command(argv, self.workdir, env, self.job)
 

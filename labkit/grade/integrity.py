@@ -18,7 +18,8 @@ cell (the lab's own cells, unchanged, are not read):
   shell commands (``!cmd``) other than a few that only look;
 * **replacing a module's attribute** (``grader.check_x = ...``, ``setattr(module, ...)``) and
   defining a function named like one of the lab's graders;
-* **strings naming any of these** (``getattr(builtins, "__import__")``) or the solutions.
+* **strings naming any of these** (``getattr(builtins, "__import__")``) or the solutions (a
+  string of one word or path: prose in a docstring is not read).
 
 A capability the distributed notebook's own cells use (chapter 8 starts threads and talks to
 its server) is not flagged. Names that merely start with ``check`` (``check_count``) are not
@@ -214,7 +215,7 @@ class _Reader(ast.NodeVisitor):
     def visit_Constant(self, node: ast.Constant) -> None:
         if isinstance(node.value, str):
             text = node.value.strip()
-            if PACKAGE in text or GRADE in text or text in STRINGS or "solutions/" in text:
+            if " " not in text and (PACKAGE in text or GRADE in text or text in STRINGS or "solutions/" in text):
                 self.add(repr(text[:60]), "names in a string")
 
 
@@ -232,8 +233,10 @@ def uses(source: str, cell: int, graders: set[str] = frozenset()) -> list[Use]:
 def _outermost(found: list[Use]) -> list[Use]:
     """Each use once, and ``a.b`` dropped where ``a.b.c`` of the same cell was found too."""
     seen, out = set(), []
+    imported = {u.what for u in found if u.how == "imports"}
     for u in found:
-        if (u.how, u.what) in seen or any(v.how == u.how and v.what.startswith(u.what + ".") for v in found):
+        if (u.how, u.what) in seen or any(v.how == u.how and v.what.startswith(u.what + ".") for v in found) \
+                or (u.how == "refers to" and u.what in imported):
             continue
         seen.add((u.how, u.what))
         out.append(u)
@@ -243,8 +246,11 @@ def _outermost(found: list[Use]) -> list[Use]:
 def allowed(use: Use, distributed: set[tuple[str, str]]) -> bool:
     """Whether ``use`` keeps to the rules; ``distributed`` holds what the distributed
     notebook's own cells do themselves, as (how, what)."""
-    if (use.how, use.what) in distributed or (use.how == "refers to" and ("imports", use.what) in distributed):
+    if (use.how, use.what) in distributed:
         return True
+    if use.how == "refers to" and any(how == "imports" and (use.what == what or use.what.startswith(what + "."))
+                                      for how, what in distributed):
+        return True                                 # an attribute of what the lab's own cells import
     leaf = use.what.rsplit(".", 1)[-1]
     return use.how == "imports" and _in(PACKAGE, use.what) and leaf.startswith(GRADER_PREFIX) and "._" not in use.what
 

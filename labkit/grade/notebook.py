@@ -186,6 +186,28 @@ def _places(row: Row, submitted, lab: Distributed, seed: str) -> tuple[dict[str,
     return places, skipped, extra
 
 
+def prepare(row: Row, submitted, lab: Distributed) -> tuple[list[Cell], dict[str, _Place]]:
+    """The cells to run for ``submitted`` (steps 2 and 4 of the module docstring: each check cell
+    replaced by its answer cell, at the place it is graded) and the places; what was seen on
+    the way (edited check cells, the static reading) goes to ``row``."""
+    seed = "\0".join(c.source for c in submitted.cells if c.cell_type == "code")
+    places, skipped, extra = _places(row, submitted, lab, seed)
+    row.flags += [f"cell {i + 1}: a check cell that is not the lab's" for i in extra]
+    answer_at = {p.at: p for p in places.values()}
+    cells: list[Cell] = []
+    for index, cell in enumerate(submitted.cells):
+        for place in sorted((p for p in places.values() if index - 1 < p.at < index), key=lambda p: p.at):
+            cells += place.cells                                 # a deleted check, graded where it was
+        if index in answer_at:
+            cells += answer_at[index].cells
+        elif cell.cell_type == "code" and cell.source.strip() and index not in skipped:
+            cells.append(Cell(index, cell.source))
+    cells += [c for p in places.values() if p.at >= len(submitted.cells) for c in p.cells]
+    mine = [(c.index, c.source) for c in cells if c.exercise is None]
+    row.flags += [one_line(u.text()) for u in forbidden(mine, lab.code, lab.graders)]
+    return cells, places
+
+
 def grade(sub: Submission, lab: Distributed, submissions: Path, timeout: float, *, box: Sandbox,
           guard: Guard, job: int = 0, workroot: Path | None = None) -> Row:
     """The gradebook row of ``sub``, graded against ``lab`` in ``box``."""
@@ -209,23 +231,7 @@ def grade(sub: Submission, lab: Distributed, submissions: Path, timeout: float, 
         row.notes.append(f"corrupt: {one_line(str(e), 200)}")
         return row
 
-    seed = "\0".join(c.source for c in submitted.cells if c.cell_type == "code")
-    places, skipped, extra = _places(row, submitted, lab, seed)
-    row.flags += [f"cell {i + 1}: a check cell that is not the lab's" for i in extra]
-    answer_at = {p.at: p for p in places.values()}
-    cells: list[Cell] = []
-    for index, cell in enumerate(submitted.cells):
-        for place in sorted((p for p in places.values() if index - 1 < p.at < index), key=lambda p: p.at):
-            cells += place.cells                                 # a deleted check, graded where it was
-        if index in answer_at:
-            cells += answer_at[index].cells
-        elif cell.cell_type == "code" and cell.source.strip() and index not in skipped:
-            cells.append(Cell(index, cell.source))
-    cells += [c for p in places.values() if p.at >= len(submitted.cells) for c in p.cells]
-
-    mine = [(c.index, c.source) for c in cells if c.exercise is None]
-    row.flags += [one_line(u.text()) for u in forbidden(mine, lab.code, lab.graders)]
-
+    cells, places = prepare(row, submitted, lab)
     workdir = Path(tempfile.mkdtemp(prefix=f"{job}-", dir=workroot))
     try:
         env = kernel_env(box.plan) if box.kind != "none" else kernel_env(box.plan, home=str(workdir / "home"))

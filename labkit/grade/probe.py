@@ -37,8 +37,9 @@ def observations(module: str | None = None, name: str | None = None) -> list[str
     import sys
     seen = []
     try:
-        ip = get_ipython()  # noqa: F821 - defined in IPython kernels
-    except NameError:
+        from IPython import get_ipython
+        ip = get_ipython()
+    except ImportError:
         ip = None
     if ip is not None:
         foreign = [f for f in [*ip.input_transformers_cleanup, *ip.input_transformers_post]
@@ -96,18 +97,9 @@ def hand_in(exercise: str, grader: str, answers, plan: dict) -> str:
         args, kwargs = answers()
     except Exception as e:   # noqa: BLE001 - an answer not defined yet, or a stub that raised
         payload["unanswered"] = f"{type(e).__name__}: {e}"[:1000]
-        return _text(payload)
-    try:
-        import importlib
-        fn = getattr(importlib.import_module(module), name)
-        if callable(getattr(fn, "probe", None)):
-            payload["ran"] = fn.probe(*args, **kwargs, plan=plan)
-        elif callable(getattr(fn, "plain_arguments", None)):
-            payload["plain"] = fn.plain_arguments(*args, **kwargs)
-        else:
-            payload["verdict"] = _judged_here(fn, args, kwargs)
-    except Exception as e:   # noqa: BLE001 - handed in as what it is
-        payload["error"] = f"{type(e).__name__}: {e}"[:1000]
+        args = None
+    if args is not None:
+        payload.update(_handed(module, name, args, kwargs, plan))
     try:
         payload["seen"] = observations(module, name)
     except Exception:   # noqa: BLE001 - observations are a courtesy
@@ -116,3 +108,17 @@ def hand_in(exercise: str, grader: str, answers, plan: dict) -> str:
         return _text(payload)
     except (TypeError, ValueError) as e:    # a probe's data that is not JSON after all
         return _text({"exercise": exercise, "error": f"the answer is not plain data ({e})"})
+
+
+def _handed(module: str, name: str, args: tuple, kwargs: dict, plan: dict) -> dict:
+    """The answers in the form the grader reads (module docstring)."""
+    try:
+        import importlib
+        fn = getattr(importlib.import_module(module), name)
+        if callable(getattr(fn, "probe", None)):
+            return {"ran": fn.probe(*args, **kwargs, plan=plan)}
+        if callable(getattr(fn, "plain_arguments", None)):
+            return {"plain": fn.plain_arguments(*args, **kwargs)}
+        return {"verdict": _judged_here(fn, args, kwargs)}
+    except Exception as e:   # noqa: BLE001 - handed in as what it is
+        return {"error": f"{type(e).__name__}: {e}"[:1000]}

@@ -107,7 +107,7 @@ def grade_class(submissions: Path, *, root: Path | None = None, jobs: int = 1, t
     uses_engine = any(needs_model((paths.notebooks / n).read_text(encoding="utf-8")) for n in graded)
     extension = _prepare(uses_engine)
     import labkit
-    box, tried = detect(sandbox, plan=make_plan(hidden, extension), limits=limits,
+    box, tried = detect(sandbox, plan=make_plan(hidden, extension, paths.root), limits=limits,
                         forbidden=[str(paths.solutions), str(submissions)], readonly=labkit.__path__[0])
     if on_sandbox:
         on_sandbox(box, tried)

@@ -87,21 +87,25 @@ def _inside(path: str, tree: str) -> bool:
     return path == tree or path.startswith(tree.rstrip("/") + "/")
 
 
-def _python_paths() -> list[str]:
+def _python_paths(checkout: Path | None) -> list[str]:
     """Where this Python and its packages live, and labkit's own package folders (an editable
-    install maps them to the checkout)."""
+    install maps them to the checkout). Not shown: the current folder (``python -m`` puts it on
+    ``sys.path``), and nothing else of ``checkout`` (its tests, say, when pytest runs)."""
     import labkit
     import labkit.kernels
-    paths = [sys.base_prefix, sys.prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
-    cwd = os.getcwd()
-    paths += [p for p in sys.path if p and p != cwd and os.path.isdir(p)]   # (-m puts the cwd first)
-    paths += list(labkit.__path__) + list(labkit.kernels.__path__)
-    return paths
+    prefixes = [os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)]
+    cwd, tree = os.path.realpath(os.getcwd()), os.path.realpath(checkout) if checkout else None
+    paths = [*prefixes, os.path.dirname(os.path.realpath(sys.executable))]
+    for entry in (os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)):
+        if any(_inside(entry, p) for p in prefixes) or (entry != cwd and not (tree and _inside(entry, tree))):
+            paths.append(entry)
+    return paths + list(labkit.__path__) + list(labkit.kernels.__path__)
 
 
-def make_plan(hidden: list[Path], extension: str | None = None) -> Plan:
+def make_plan(hidden: list[Path], extension: str | None = None, checkout: Path | None = None) -> Plan:
     """The plan for this machine. ``hidden``: what no kernel may see even where a bound tree
-    holds it (the checkout's ``solutions/`` and ``.git``, the submissions, the grading folder)."""
+    holds it (the checkout's ``solutions/`` and ``.git``, the submissions, the grading folder);
+    ``checkout``: the labkit checkout, of which only the package is shown."""
     from ..model.loader import cache_root
     readonly: list[str] = []
     symlinks: list[tuple[str, str]] = []
@@ -112,7 +116,7 @@ def make_plan(hidden: list[Path], extension: str | None = None) -> Plan:
             readonly.append(path)
     env = {}
     cache = cache_root()
-    extra = _python_paths()
+    extra = _python_paths(checkout)
     if cache.is_dir():
         extra.append(str(cache))
         env["LABKIT_CACHE_DIR"] = str(cache.resolve())

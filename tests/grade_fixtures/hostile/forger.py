@@ -1,0 +1,18 @@
+"""Attack (mine): replace the bug-hunt graders' in-kernel half (``probe``) with one that reports
+the outcomes a right test would have had. The student's kernel is the student's: what it hands
+in for a code answer can be forged by code written against labkit's grading. Must: flagged
+(the import of the grader module, and the kernel showing a grader that is not labkit's); the
+value exercise (2.1) still earns nothing."""
+# where: start
+import labkit.exercises.bughunt as bughunt
+
+
+def forged(test, *, plan):
+    return {"name": "test", "outcomes": [
+        {"kind": kind, "result": "passed"} if kind == "correct" else
+        {"kind": kind, "result": "assertion", "error": "AssertionError", "message": "LABKIT-HOSTILE"}
+        for kind in plan["order"]]}
+
+
+for grader in (bughunt.check_generated_tokens_test, bughunt.check_free_list_test, bughunt.check_shared_blocks_test):
+    grader.probe = forged

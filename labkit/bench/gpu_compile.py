@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import io
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,17 +101,13 @@ class Shape:
 def model_shape(name: str) -> tuple[int, int, int] | str:
     """(num_kv_heads, group, head_dim) from a model's config.json: ``name`` is the default
     model (when cached) or a checkpoint directory. A string says why it could not be read."""
-    if os.path.isdir(os.path.expanduser(name)):
-        path = Path(name).expanduser() / "config.json"
-    else:
-        from labkit.model.loader import DEFAULT_MODEL, default_model_dir
-        if name not in (DEFAULT_MODEL, "smollm2", "smollm2-135m-instruct"):
-            return f"{name}: give the default model or a checkpoint directory"
-        path = default_model_dir() / "config.json"
+    from labkit.model.loader import DEFAULT_MODEL, default_model_dir
+    default = name in (DEFAULT_MODEL, "smollm2", "smollm2-135m-instruct")
+    path = (default_model_dir() if default else Path(name).expanduser()) / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except OSError:
-        return f"{name}: no config at {path} (make model fetches the default model)"
+        return f"{name}: no config at {path}" + (" (make model fetches it)" if default else "")
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -128,6 +126,8 @@ def matrix_shapes(models: list[str], head_dims, groups, block_sizes, quick: bool
         label = Path(name).name if os.path.isdir(os.path.expanduser(name)) else name
         shapes += [Shape(label, kv, group, d, bs) for bs in ((16,) if quick else block_sizes)]
     if quick:   # together: head dims 64 (the model), 96, 128; groups 1, 3, 8; blocks 8, 16, 32
+        if not shapes:      # SmolLM2's shape, when it is not cached
+            shapes.append(Shape("grid", GRID_KV_HEADS, 3, 64, 16))
         shapes += [Shape("grid", GRID_KV_HEADS, 8, 128, 32), Shape("grid", GRID_KV_HEADS, 1, 96, 8)]
     else:
         shapes += [Shape("grid", GRID_KV_HEADS, g, d, bs) for d in head_dims for g in groups for bs in block_sizes]
@@ -361,8 +361,9 @@ def plan_units(shapes: list[Shape], targets: list[str], dtypes: list[str]) -> li
     return units
 
 
-def run_workers(units: list[dict], jobs: int, progress) -> tuple[list[dict], list[str]]:
-    """Compile ``units`` in ``jobs`` worker processes; (rows, errors of workers that died)."""
+def run_workers(units: list[dict], jobs: int, progress) -> tuple[list[dict], list[str], str]:
+    """Compile ``units`` in ``jobs`` worker processes, with a fresh Triton cache deleted
+    afterwards; (rows, errors of workers that died, where the cache was)."""
     cache = tempfile.mkdtemp(prefix="labkit-gpu-compile-")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": cache, "TRITON_DUMP_PTXAS_LOG": "1"}
     shares: list[list[dict]] = [[] for _ in range(max(1, min(jobs, len(units))))]
@@ -400,9 +401,8 @@ def run_workers(units: list[dict], jobs: int, progress) -> tuple[list[dict], lis
         for t in threads:
             t.join()
     finally:
-        import shutil
         shutil.rmtree(cache, ignore_errors=True)
-    return rows, errors
+    return rows, errors, cache
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -492,41 +492,41 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     done = [0]
+    tty = sys.stderr.isatty()
 
-    def progress() -> None:
+    def progress() -> None:       # one line redrawn on a terminal, a line per unit in a log
         done[0] += 1
-        print(f"\r[gpu-compile] {done[0]}/{len(units)} units, {time.perf_counter() - t0:.0f} s",
-              end="" if done[0] < len(units) else "\n", file=sys.stderr, flush=True)
+        print(("\r" if tty else "") + f"[gpu-compile] {done[0]}/{len(units)} units, {time.perf_counter() - t0:.0f} s",
+              end="" if tty and done[0] < len(units) else "\n", file=sys.stderr, flush=True)
 
-    rows, errors = run_workers(units, args.jobs, progress)
+    rows, errors, cache = run_workers(units, args.jobs, progress)
     rows = sorted((judge(r) for r in rows), key=lambda r: (r["target"], r["dtype"], r["kernel"], r["shape"]))
-    summary = summarize(rows)
-    failed = [r for r in rows if r["status"] in ("compile error", "no launch")]
-    import triton
-    report = {"meta": {"triton": triton.__version__, "seconds": round(time.perf_counter() - t0, 1),
+    report = {"meta": {"triton": importlib.metadata.version("triton"), "seconds": round(time.perf_counter() - t0, 1),
                        "jobs": args.jobs, "quick": args.quick, "shapes": [s.label for s in shapes],
-                       "skipped": notes, "worker_errors": errors,
-                       "targets": {t: asdict(TARGETS[t]) for t in targets}},
-              "summary": summary, "builds": rows}
+                       "skipped": notes, "cache_dir": cache, "targets": {t: asdict(TARGETS[t]) for t in targets}},
+              "summary": summarize(rows), "failures": failures(rows) + errors, "builds": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
-    if args.json:
-        print(json.dumps(report))
-    else:
-        kernels = sorted({r["kernel"] for r in rows})
-        print(f"gpu-compile: {len(rows)} kernel x target x dtype x shape entries, "
-              f"{len({(r['target'], r['dtype'], r.get('build')) for r in rows})} distinct builds of "
-              f"{len(kernels)} kernels for {', '.join(f'{t} ({TARGETS[t].gpu})' for t in targets)}; "
-              f"Triton {triton.__version__}, {report['meta']['seconds']:.0f} s with {args.jobs} worker(s)\n")
-        print(format_table(summary))
-        for r in failed:
-            print(f"FAILED {r['kernel']} {r['target']} {r['dtype']} {r['shape']}: "
-                  f"{r.get('error') or '; '.join(r['problems'])}")
-        for e in errors:
-            print(f"FAILED {e}")
-        if not failed and not errors:
-            print(f"\nevery build compiles and fits its GPU's limits (shared memory per block, registers)")
-    return 1 if failed or errors or not rows else 0
+    print(json.dumps(report) if args.json else report_text(report))
+    return 1 if report["failures"] or not rows else 0
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """One line per build that does not compile or would not launch."""
+    return [f"{r['kernel']} {r['target']} {r['dtype']} {r['shape']}: {r.get('error') or '; '.join(r['problems'])}"
+            for r in rows if r["status"] in ("compile error", "no launch")]
+
+
+def report_text(report: dict) -> str:
+    rows, meta = report["builds"], report["meta"]
+    builds = len({(r["target"], r["dtype"], r.get("build")) for r in rows})
+    head = (f"gpu-compile: {len(rows)} kernel x target x dtype x shape entries, {builds} distinct builds of "
+            f"{len({r['kernel'] for r in rows})} kernels for "
+            f"{', '.join(f'{t} ({TARGETS[t].gpu})' for t in meta['targets'])}; Triton {meta['triton']}, "
+            f"{meta['seconds']:.0f} s with {meta['jobs']} worker(s)\n")
+    tail = ([f"FAILED {f}" for f in report["failures"]] if report["failures"] else
+            ["\nevery build compiles and fits its GPU's limits (shared memory per block, registers)"])
+    return "\n".join([head, format_table(report["summary"]), *tail])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """``python -m labkit.bench gpu-check`` (``make gpu-check``): everything that needs a GPU, in one go.
 
-On one CUDA GPU of compute capability 8.0+, within a time budget (``--budget``, 480 s),
-each step in its own process:
+On one CUDA GPU of compute capability 7.5+ (a T4 included), within a time budget
+(``--budget``, 600 s), each step in its own process:
 
+0. ``compile``: ``python -m labkit.bench gpu-compile``, every Triton kernel built for sm_75,
+   sm_80, sm_89 and sm_90 and checked against each GPU's limits (it needs no GPU itself: on a
+   machine without one, run it alone).
 1. ``tests``: the ``gpu``-marked tests (the Triton kernels compiled, against their torch
    references, split decode included).
 2. ``kernels``: the kernel benchmark (``python -m labkit.bench kernels``): achieved bandwidth
@@ -10,7 +13,9 @@ each step in its own process:
    measured copy bandwidth.
 3. ``equality``: the engine on CUDA with the Triton backend, fp32, greedy, on requests of the
    bundled ``smollm2-64req`` workload, against Transformers ``generate`` on the same GPU and
-   against the workload's reference tokens; and the engine's throughput on all 64 requests.
+   against the workload's reference tokens; the engine's throughput on all 64 requests; and
+   the same requests in fp16 (a T4's default) against Transformers in fp16: how many agree
+   token for token, and the share of tokens before the first difference.
 4. ``notebooks``: chapters 5 and 6 (solutions) under ``pytest --nbval-lax``.
 
 Then a short summary; ``--json`` prints it as JSON, ``--out FILE`` keeps it (docs/gpu.md
@@ -32,9 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]          # the repository (tests/, solutions/)
-STEPS = ("tests", "kernels", "equality", "notebooks")
+STEPS = ("compile", "tests", "kernels", "equality", "notebooks")
 # Each step's share of the budget at most (seconds); a step also stops at what is left.
-STEP_CAPS = {"tests": 120, "kernels": 120, "equality": 150, "notebooks": 240}
+STEP_CAPS = {"compile": 240, "tests": 120, "kernels": 120, "equality": 180, "notebooks": 240}
 NOTEBOOKS = ("solutions/05_triton_kernel.ipynb", "solutions/06_end_to_end.ipynb")
 KERNEL_SHAPES = ["--batch", "1", "8", "64", "256", "--context", "512", "2048", "8192", "--head-dim", "64", "128",
                  "--repeats", "10"]
@@ -58,11 +63,14 @@ def no_gpu_reason() -> str | None:
     if not torch.cuda.is_available():
         return (f"no CUDA GPU on this machine (torch {torch.__version__}, CUDA build "
                 f"{torch.version.cuda or 'none'}): nothing to check. Run it where an NVIDIA GPU of "
-                "compute capability 8.0+ is at hand (docs/gpu.md)")
-    if torch.cuda.get_device_capability() < (8, 0):
+                "compute capability 7.5+ is at hand (docs/gpu.md). The compile check needs none: "
+                "python -m labkit.bench gpu-compile")
+    from labkit.kernels import MIN_COMPUTE_CAPABILITY
+    if torch.cuda.get_device_capability() < MIN_COMPUTE_CAPABILITY:
         name, cc = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
-        return (f"{name} has compute capability {cc[0]}.{cc[1]}; Triton needs 8.0+ (A100, L4, H100...): "
-                "the engine falls back to the torch backend there, and there is no kernel to check")
+        return (f"{name} has compute capability {cc[0]}.{cc[1]}; labkit's Triton kernels are built for 7.5+ "
+                "(T4, A100, L4, H100...): the engine falls back to the torch backend there, and there is no "
+                "kernel to check")
     return None
 
 
@@ -142,6 +150,27 @@ def describe_kernels(f: dict) -> str:
             f"{s['speedup']:.1f}x")
 
 
+def compile_step(timeout: float) -> StepResult:
+    """``python -m labkit.bench gpu-compile`` (the full matrix, every core), summarised."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "compile.json")
+        proc, took = run_step("compile", [sys.executable, "-m", "labkit.bench", "gpu-compile", "--out", out], timeout)
+        if isinstance(proc, StepResult):
+            return proc
+        if not os.path.exists(out):
+            return StepResult("compile", "failed", took, proc.stderr.strip()[-800:])
+        with open(out) as f:
+            report = json.load(f)
+    rows = report["builds"]
+    figures = {"triton": report["meta"]["triton"], "entries": len(rows), "failures": report["failures"],
+               "summary": report["summary"]}
+    spills = sum(r["status"] == "spills" for r in rows)
+    summary = (f"{len(rows)} kernel x GPU x dtype x shape builds (Triton {report['meta']['triton']}): "
+               + (f"{len(report['failures'])} do not compile or launch" if report["failures"] else
+                  f"all compile and fit their GPU; {spills} spill registers"))
+    return StepResult("compile", "failed" if proc.returncode else "passed", took, summary, figures)
+
+
 def equality_step(timeout: float) -> StepResult:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "equality.json")
@@ -158,14 +187,25 @@ def equality_step(timeout: float) -> StepResult:
     summary = (f"labkit (triton, fp32) = Transformers on {figures['labkit_equal_hf']}/{n} requests; "
                f"= reference: labkit {figures['labkit_equal_reference']}/{n}, Transformers "
                f"{figures['hf_equal_reference']}/{n}; whole workload: {figures['output_tok_per_s']:.0f} "
-               f"output tok/s ({figures['all_equal_reference']}/{figures['all_requests']} equal to the reference)")
+               f"output tok/s ({figures['all_equal_reference']}/{figures['all_requests']} equal to the reference); "
+               f"fp16: {figures['fp16_labkit_equal_hf']}/{n} equal to Transformers fp16, "
+               f"{figures['fp16_common_prefix']:.0%} of tokens before the first difference")
     return StepResult("equality", "passed" if ok else "failed", took, summary, figures)
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, float]:
+    """(outputs equal token for token, share of all tokens before each pair's first difference)."""
+    def prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    total = sum(len(b) for b in theirs)
+    return sum(a == b for a, b in zip(ours, theirs)), sum(map(prefix, ours, theirs)) / max(1, total)
 
 
 def run_equality(out: str, model: str = "smollm2-135m", device: str = "cuda", backend: str = "triton",
                  workload: str | None = None, num_requests: int = EQUALITY_REQUESTS) -> int:
     """The ``equality`` step's body, run in its own process on the GPU: ``num_requests`` of
-    the workload (spread over it) through labkit and Transformers, then all of it through labkit."""
+    the workload (spread over it) through labkit and Transformers, then all of it through labkit;
+    then the same requests in fp16 through both."""
     import types
 
     from labkit import LLM, SamplingParams
@@ -184,6 +224,11 @@ def run_equality(out: str, model: str = "smollm2-135m", device: str = "cuda", ba
     ours = serve(subset["requests"])
     hf = run_hf_static(subset, types.SimpleNamespace(model=model, hf_batch_size=16, device=device))
     wall, everything = timed(lambda: serve(reqs))
+    del llm
+    llm = LLM(model, attention_backend=backend, device=device, dtype="float16", enable_prefix_caching=False)
+    ours16 = serve(subset["requests"])
+    hf16 = run_hf_static(subset, types.SimpleNamespace(model=model, hf_batch_size=16, device=device, dtype="float16"))
+    fp16_equal, fp16_prefix = agreement(ours16, hf16["outputs"])
     reference = [r["reference_output_token_ids"] for r in subset["requests"]]
     figures = {"requests": len(ours), "backend": llm.stats()["attention_backend"],
                "labkit_equal_hf": sum(a == b for a, b in zip(ours, hf["outputs"])),
@@ -191,7 +236,7 @@ def run_equality(out: str, model: str = "smollm2-135m", device: str = "cuda", ba
                "hf_equal_reference": sum(a == b for a, b in zip(hf["outputs"], reference)),
                "output_tok_per_s": sum(r["max_tokens"] for r in reqs) / wall,
                "all_equal_reference": sum(a == r["reference_output_token_ids"] for a, r in zip(everything, reqs)),
-               "all_requests": len(reqs)}
+               "all_requests": len(reqs), "fp16_labkit_equal_hf": fp16_equal, "fp16_common_prefix": fp16_prefix}
     with open(out, "w") as f:
         json.dump(figures, f)
     return 0
@@ -207,7 +252,9 @@ def run_check(budget: float, steps: tuple[str, ...] = STEPS) -> list[StepResult]
             results.append(StepResult(name, "timeout", 0.0, "not started: the budget is spent"))
             continue
         timeout = min(STEP_CAPS[name], left)
-        if name == "tests":
+        if name == "compile":
+            results.append(compile_step(timeout))
+        elif name == "tests":
             results.append(pytest_step(name, ["-m", "gpu", "tests/"], timeout))
         elif name == "kernels":
             results.append(kernels_step(timeout))
@@ -230,7 +277,7 @@ def format_summary(device: str, results: list[StepResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m labkit.bench gpu-check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--budget", type=float, default=480.0, help="seconds for all steps together (default 480)")
+    p.add_argument("--budget", type=float, default=600.0, help="seconds for all steps together (default 600)")
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {','.join(STEPS)}")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--out", help="also write the summary (JSON) to this file")

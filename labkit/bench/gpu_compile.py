@@ -371,11 +371,13 @@ def run_workers(units: list[dict], jobs: int, progress) -> tuple[list[dict], lis
         min(shares, key=lambda s: sum(len(u["shapes"]) for u in s)).append(unit)
     rows: list[dict] = []
     errors: list[str] = []
+    procs: list[subprocess.Popen] = []
     lock = threading.Lock()
 
     def work(share: list[dict]) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "labkit.bench.gpu_compile", "--worker"], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
         stderr = []
         drain = threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True)
         drain.start()
@@ -400,7 +402,10 @@ def run_workers(units: list[dict], jobs: int, progress) -> tuple[list[dict], lis
             t.start()
         for t in threads:
             t.join()
-    finally:
+    finally:                # interrupted (Ctrl-C): no worker outlives the run
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
         shutil.rmtree(cache, ignore_errors=True)
     return rows, errors, cache
 

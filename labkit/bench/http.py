@@ -310,7 +310,7 @@ async def _worst(http, url: str, key: str, bodies: dict[str, dict], kind: str, c
                 if r.status_code == 200:
                     report["ok"] += 1
                     report["tokens"] += data.count(b'"token_ids"') if body.get("stream") else 1
-                elif report["first_error"] is None:
+                elif r.status_code != 429 and report["first_error"] is None:
                     report["first_error"] = f"HTTP {status}: {data[:200]!r}"
             except Exception as e:  # noqa: BLE001 - counted, and the loop goes on
                 status = type(e).__name__

@@ -349,14 +349,17 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         u.generation_tokens += sum(len(o.token_ids) for out in newest.values() for o in out.outputs)
 
     async def _start(rid: str, parsed: Parsed, salt: str | None) -> list[RequestStream]:
-        """Tokenize and queue every prompt, or none: a refusal (a prompt over the context,
-        the queue full) aborts those already queued."""
-        streams: list[RequestStream] = []
+        """Tokenize and queue every prompt, or none: a prompt over the context is refused
+        before any is queued, and a refusal by the engine (the queue full) aborts those
+        already queued."""
         chat = parsed.chat
+        prompts = []                   # every prompt fits in the context, or none is queued
+        for prompt in parsed.prompts:
+            text, ids = await _tokenize(prompt, chat)
+            prompts.append((text, ids, _fit_context(parsed, len(ids))))
+        streams: list[RequestStream] = []
         try:
-            for i, prompt in enumerate(parsed.prompts):
-                text, ids = await _tokenize(prompt, chat)
-                params = _fit_context(parsed, len(ids))
+            for i, (text, ids, params) in enumerate(prompts):
                 request_id = rid if len(parsed.prompts) == 1 else f"{rid}-{i}"
                 streams.append(await engine.add_request(text if text is not None else ids, params, request_id,
                                                         prompt_token_ids=ids, cache_salt=salt))

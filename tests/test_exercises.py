@@ -190,8 +190,8 @@ MISTAKES = [
     ("0.1", "capacity-off-by-one-block", {"a0": ctx_value(lambda c: c.capacity - 8)}, "size in blocks"),
     # 0.2
     ("0.2", "one-request-at-a-time", {"a0": 24}, "one request at a time"),
-    ("0.2", "separate-prefill-step", {"a0": 7}, "separate prefill step"),
-    ("0.2", "no-token-at-prefill", {"a0": 5}, "separate prefill step"),
+    ("0.2", "separate-prefill-step", {"a0": 7}, "already samples"),
+    ("0.2", "no-token-at-prefill", {"a0": 5}, "already samples"),
     ("0.2", "measured-the-total-not-the-change", {"a1": ctx_value(lambda c: c.llm.stats()["num_steps"] + 100)},
      "change of"),
     ("0.2", "tokens-not-iterations", {"a0": 6 * 4 + 6}, "Each iteration gives"),
@@ -213,7 +213,7 @@ MISTAKES = [
     ("1.2", "gib-number-without-unit", {"a0": 1.25}, "unit mix-up"),
     ("1.2", "gb-for-gib", {"a0": "1.25 GB"}, "binary and decimal"),
     ("1.2", "gib-for-gb", {"a0": "1.34 GiB"}, "binary and decimal"),
-    ("1.2", "rounded-up", {"a1": 34}, "partly resident"),
+    ("1.2", "rounded-up", {"a1": 34}, "whole requests"),     # one off: the method hint, which names the idea
     ("1.2", "fractional-requests", {"a1": 33.53}, "whole requests"),
     ("1.2", "45-gb-read-as-gib", {"a1": 36}, "45 GiB"),
     ("1.2", "rounded-to-2-figures", {"a0": "1.3 GiB"}, "give it to 3 significant figures"),
@@ -229,7 +229,7 @@ MISTAKES = [
     ("1.3", "rounded-to-2-figures", {"a0": 4.9}, "give it to 3 significant figures.*4.9%? has 2"),
     ("1.3", "whole-percent", {"a1": 5}, "give it to 3 significant figures"),
     # 2.1
-    ("2.1", "rounded-down", {"a0": 4}, "full blocks only"),
+    ("2.1", "rounded-down", {"a0": 4}, "still a whole block"),
     ("2.1", "fractional-blocks", {"a0": 4.375}, "allocated whole"),
     ("2.1", "one-block-too-many", {"a0": 6}, "how many blocks"),
     ("2.1", "tokens-in-last-block", {"a1": 6}, "tokens the last block holds"),
@@ -240,12 +240,12 @@ MISTAKES = [
     ("2.1", "half-integer-slots", {"a1": 10.5}, "integer"),
     ("2.1", "rounded-to-2-figures", {"a2": "14%"}, "3 significant figures"),
     # 3.1
-    ("3.1", "every-sample-copies", {"a1": 4, "a0": 7}, "reference count 1"),
+    ("3.1", "every-sample-copies", {"a1": 4, "a0": 7}, "who else holds it"),
     ("3.1", "nobody-copies", {"a1": 0}, "copied first"),
     ("3.1", "copies-whole-table", {"a1": 12}, "Only the block being written"),
     ("3.1", "blocks-without-sharing", {"a0": 12}, "without sharing"),
     ("3.1", "blocks-before-divergence", {"a0": 3}, "before the samples diverge"),
-    ("3.1", "last-writer-copies-too", {"a0": 7}, "who else holds"),
+    ("3.1", "last-writer-copies-too", {"a0": 7}, "what did each copy add"),
     # 3.2
     ("3.2", "partial-block-counted", {"a0": 1000}, "Only full blocks"),
     ("3.2", "rounded-up-to-blocks", {"a0": 1008}, "hash differs"),

@@ -227,6 +227,10 @@ def shell(monkeypatch):
     ip = interactiveshell.InteractiveShell.instance()
     calls: list[str] = []
     ip.register_magic_function(lambda line: calls.append(line), "line", "pip")
+    # the cell first checks that its source answers (and fails at once if not): recorded, not sent
+    import urllib.request
+    monkeypatch.setattr(urllib.request, "urlopen",
+                        lambda url, timeout=None: calls.append(f"probe {url}") or types.SimpleNamespace(close=lambda: None))
     yield ip, calls
     ip.register_magic_function(lambda line: None, "line", "pip")
 
@@ -252,8 +256,8 @@ def test_install_cell_installs_from_labkit_source(shell, monkeypatch, tmp_path, 
         monkeypatch.setenv("LABKIT_SOURCE", source)
     result = ip.run_cell(install_cell())
     assert result.success, result.error_in_exec or result.error_before_exec
-    assert len(calls) == 1, calls
-    req = _requirement(calls[0])
+    assert len(calls) == 2 and calls[0].startswith("probe "), calls
+    req = _requirement(calls[1])
     assert req.name == "labkit" and req.extras == {"lab", "serve"}
     if expected == "LOCAL":
         expected = (tmp_path / source).resolve().as_uri()
@@ -303,14 +307,15 @@ def test_colab_command_writes_one_install_cell_everywhere(tmp_path):
     strip(paths)
     generate(paths)
     problems = check(paths)
-    assert any("00_a.ipynb: its first cell differs from the install cell" in p for p in problems), problems
-    assert not any("02_c.ipynb: its first" in p for p in problems)
+    assert any("00_a.ipynb: it does not open on its title" in p for p in problems), problems
+    assert any("01_b.ipynb: its first code cell is not the install cell" in p for p in problems), problems
 
     assert main(["colab", "--root", str(tmp_path)]) == 0
     for name in ("00_a.ipynb", "01_b.ipynb", "02_c.ipynb"):
         nb = read(paths.solutions / name)
         code = [c for c in nb.cells if c.cell_type == "code"]
-        assert nb.cells[0] is code[0] and code[0].source == install_cell(), name
+        assert nb.cells[0].source == "# A chapter", name                         # the title first
+        assert nb.cells[1] is code[0] and code[0].source == install_cell(), name
         assert sum("%pip install" in c.source for c in code) == 1, name          # replaced, not added twice
         assert [c.source for c in code[1:]] == ["### BEGIN SOLUTION\nx = 1\n### END SOLUTION",
                                                "# CHECK exercise 1\nassert x == 1"], name
@@ -318,19 +323,19 @@ def test_colab_command_writes_one_install_cell_everywhere(tmp_path):
     generate(paths)
     assert check(paths) == []
     student = read(paths.notebooks / "01_b.ipynb")
-    assert student.cells[0].source == install_cell()
+    assert student.cells[1].source == install_cell()
     # A hand edit of one notebook's install cell is caught.
     nb = read(paths.solutions / "02_c.ipynb")
-    nb.cells[0].source = nb.cells[0].source.replace(LABKIT_SOURCE, "git+https://example.edu/fork")
+    nb.cells[1].source = nb.cells[1].source.replace(LABKIT_SOURCE, "git+https://example.edu/fork")
     from labkit.notebooks import dumps
     (paths.solutions / "02_c.ipynb").write_text(dumps(nb))
-    assert any("02_c.ipynb: its first cell differs" in p for p in check(paths))
+    assert any("02_c.ipynb: its install cell differs" in p for p in check(paths))
 
 
 def test_install_cell_names_its_source_once_and_installs_the_extras_the_notebooks_need():
     cell = install_cell("https://example.edu/labkit-0.1.0-py3-none-any.whl")
     assert cell.count("https://example.edu/labkit-0.1.0-py3-none-any.whl") == 1
-    assert 'os.environ.get("LABKIT_SOURCE"' in cell and "labkit[lab,serve] @ {LABKIT_SOURCE}" in cell
+    assert 'os.environ.get("LABKIT_SOURCE"' in cell and "labkit[lab,serve] @ {src}" in cell
     assert LABKIT_SOURCE.startswith("git+https://") or LABKIT_SOURCE.endswith(".whl")
 
 

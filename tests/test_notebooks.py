@@ -2,25 +2,32 @@
 
 * ``notebooks/`` is exactly what ``python -m labkit.notebooks generate`` makes of
   ``solutions/``, and no notebook stores outputs, execution counts or widget state;
-* every notebook follows the conventions (Colab cell first, kernelspec, check cells);
-* every solution notebook passes ``pytest --nbval-lax`` (the grading command, run in a
-  subprocess on the file itself);
+* every notebook follows the conventions: it opens on its title, the install cell comes right
+  after it, labkit is imported before torch, check cells call graders; the install cell fails
+  at once, saying what to set, where its source cannot be reached;
+* the text matches the lab: chapter 0's map lists every chapter, no chapter says a feature
+  labkit has is missing, chapter 9's reading of its swap figures holds;
+* every solution notebook passes with each check cell and the cell before it run twice (one
+  run per notebook, doubling every such pair: a verdict does not depend on how many times a
+  cell ran), and passes the grading command (``pytest --nbval-lax``, on chapter 1);
 * every student notebook, run top to bottom, fails, and only in its stub cells (``raise
-  NotImplementedError``) and its ``# CHECK`` cells, and every check cell fails: no
-  exercise passes unsolved, and no explanation cell depends on an answer;
+  NotImplementedError``) and its ``# CHECK`` cells, and every check cell fails, saying "not
+  answered yet" rather than raising a ``NameError``: no exercise passes unsolved, and no
+  explanation cell depends on an answer;
 * the grading command reports a student notebook's failures cell by cell.
 
 plus fast unit tests of the generator. The graders have their own tables
-(``tests/test_exercises.py``, ``tests/test_exercises_ch4_8.py``), and the run of each student
-notebook is also scanned for answers printed before their check (``tests/test_answer_leaks.py``
-scans the sources). The module is marked
-``notebook``; the tests that run notebooks are also ``slow`` (the whole lab runs twice:
-~3.5 min on 2 idle cores). Notebooks that use the real model are skipped, with the reason,
+(``tests/test_exercises*.py``), and the run of each student notebook is also scanned for
+answers printed before their check (``tests/test_answer_leaks.py`` scans the sources). The module
+is marked ``notebook``; the tests that run notebooks are also ``slow`` (each notebook runs twice,
+once solved and once unsolved). Notebooks that use the real model are skipped, with the reason,
 when it is not cached (``make model``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -36,9 +43,10 @@ pytest.importorskip("nbval")
 
 from test_answer_leaks import declared_forms, leaks  # noqa: E402
 
-from labkit.notebooks import (CHECK_PREFIX, DEFAULT_HINT, NotebookError, Paths, check,  # noqa: E402
-                              dumps, generate, is_check_cell, is_solution_cell, is_stub_cell,
-                              needs_model, read, strip, stored_state, student_version, stub_source,
+from labkit.notebooks import (CHECK_PREFIX, DEFAULT_HINT, NotebookError, Paths, check, colab,  # noqa: E402
+                              dumps, generate, install_cell, install_cell_problems, is_check_cell,
+                              is_solution_cell, is_stub_cell, is_title_cell, needs_model, read, strip,
+                              stored_state, student_version, stub_source, torch_before_labkit,
                               verify_submission)
 
 pytestmark = pytest.mark.notebook
@@ -94,10 +102,10 @@ def test_no_stored_outputs_or_widget_state(path):
 def test_conventions(path):
     nb = read(path)
     assert nb.metadata.get("kernelspec", {}).get("name"), "no kernelspec: JupyterLab would ask for a kernel"
-    first = nb.cells[0]
-    assert first.cell_type == "code" and '"google.colab" in sys.modules' in first.source, \
-        "the first cell must install labkit on Colab only (guarded by 'google.colab' in sys.modules)"
-    assert COLAB_URL in first.source, f"the Colab cell must install from {COLAB_URL}"
+    assert is_title_cell(nb.cells[0]) and re.match(r"# Chapter \d+ — ", nb.cells[0].source), \
+        "a chapter opens on its title: '# Chapter N — ...'"
+    assert not install_cell_problems(nb), install_cell_problems(nb)
+    assert COLAB_URL in nb.cells[1].source, f"the install cell must install from {COLAB_URL} by default"
     checks = [c for c in nb.cells if is_check_cell(c)]
     solutions = [i for i, c in enumerate(nb.cells) if is_solution_cell(c)]
     assert solutions, "no exercise: no ### BEGIN SOLUTION region"
@@ -108,37 +116,207 @@ def test_conventions(path):
         assert "check" in c.source.split("\n", 1)[-1], f"check cell calls no grader: {c.source[:80]!r}"
 
 
+@pytest.mark.parametrize("path", SOLUTIONS + STUDENT, ids=[f"solutions/{p.stem}" for p in SOLUTIONS]
+                         + [f"notebooks/{p.stem}" for p in STUDENT])
+def test_labkit_is_imported_before_torch(path):
+    """``import labkit`` sets how OpenMP's threads wait; it works only before torch loads."""
+    first = torch_before_labkit(read(path))
+    assert first is None, f"cell {first} of {path.name} imports torch (or a package that loads it) before labkit"
+
+
+def test_torch_before_labkit_finds_the_order():
+    def nb(*sources):
+        return _notebook([("code", src) for src in sources])
+    assert torch_before_labkit(nb("import torch\nimport labkit")) == 0
+    assert torch_before_labkit(nb("import platform", "from transformers import AutoModel", "import labkit")) == 1
+    assert torch_before_labkit(nb("import labkit  # first\nimport torch")) is None
+    assert torch_before_labkit(nb("from labkit import LLM", "import torch")) is None
+    assert torch_before_labkit(nb("x = 1")) is None
+
+
+def _install_cell_as_python(source: str) -> str:
+    from IPython.core.inputtransformer2 import TransformerManager
+    return TransformerManager().transform_cell(install_cell(source))
+
+
+@pytest.mark.parametrize("source", ["http://127.0.0.1:9/labkit-0.1.0-py3-none-any.whl",
+                                    "/nonexistent/course/labkit-0.1.0-py3-none-any.whl",
+                                    "git+http://127.0.0.1:9/labkit@fall"],
+                         ids=["unreachable-url", "missing-wheel", "unreachable-git"])
+def test_the_install_cell_fails_at_once_saying_what_to_set(tmp_path, source):
+    """Where labkit is missing and its source cannot be reached, the install cell raises within
+    seconds, naming LABKIT_SOURCE and where the wheel comes from (not a git error, then success)."""
+    code = _install_cell_as_python(COLAB_URL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["LABKIT_SOURCE"] = source
+    t0 = time.monotonic()
+    # -S: no site-packages, so labkit is missing, as on a fresh Colab runtime; the cell must fail
+    # before it reaches pip (which -S would not find either)
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert run.returncode != 0 and took < 15, (took, run.stdout, run.stderr)
+    assert "RuntimeError: cannot reach" in run.stderr and "Set LABKIT_SOURCE" in run.stderr \
+        and "make dist" in run.stderr, run.stderr
+
+
+# ---- the text matches the lab -------------------------------------------------------------------------
+def _markdown(nb) -> str:
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def test_the_map_of_the_lab_lists_every_chapter():
+    numbers = sorted(int(p.name[:2]) for p in SOLUTIONS if p.name[:2].isdigit() and p.name[:2] != "00")
+    tour = _markdown(read(PATHS.solutions / "00_setup_and_tour.ipynb"))
+    table = tour[tour.index("A map of the lab"):]
+    listed = sorted(int(m) for m in re.findall(r"^\|\s*(\d+)\s+\S", table, re.MULTILINE))
+    assert listed == numbers, f"chapter 0's map lists chapters {listed}, the lab has {numbers}"
+
+
+#: What labkit has, how a chapter would mention it, and how to tell that it exists.
+FEATURES = {
+    "swapping": (r"\bswap", lambda: "preemption_mode" in inspect.signature(__import__("labkit").LLM).parameters),
+    "log probabilities": (r"log[- ]?prob", lambda: hasattr(__import__("labkit").SamplingParams(), "logprobs")),
+    "beam search": (r"beam search", lambda: hasattr(__import__("labkit"), "BeamSearchParams")),
+    "API keys": (r"authenticat|api[- ]keys?", lambda: importlib.util.find_spec("labkit.server.auth") is not None),
+    "a radix tree": (r"radix", lambda: importlib.util.find_spec("labkit.memory.radix_cache") is not None),
+    "chunked prefill": (r"chunked prefill", lambda: "enable_chunked_prefill" in inspect.signature(
+        __import__("labkit").LLM).parameters),
+    "structured outputs": (r"structured output", lambda: hasattr(__import__("labkit").SamplingParams(),
+                                                                "structured_outputs")),
+    "streaming": (r"\bstream", lambda: True),
+}
+#: Ways of saying something is missing: the feature named after the phrase ("it adds what ... needs: X"),
+#: or before it ("X is not implemented").
+MISSING_AFTER = re.compile(r"adds what|\blacks\b|is missing:|are missing:|labkit (?:does not|cannot) ", re.IGNORECASE)
+MISSING_BEFORE = re.compile(r"not (?:yet )?implemented|(?:is|are) not (?:yet )?supported|not available", re.IGNORECASE)
+
+
+def missing_features(text: str) -> list[str]:
+    """The features labkit has that a sentence of ``text`` says are missing."""
+    found = []
+    for sentence in re.split(r"(?<=[.!?])\s+", text.replace("\n", " ")):
+        windows = [sentence[m.end():] for m in MISSING_AFTER.finditer(sentence)]
+        windows += [sentence[:m.start()] for m in MISSING_BEFORE.finditer(sentence)]
+        for name, (pattern, exists) in FEATURES.items():
+            if any(re.search(pattern, w, re.IGNORECASE) for w in windows) and exists():
+                found.append(f"{name}: {sentence.strip()[:160]}")
+    return found
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=_ids(SOLUTIONS))
+def test_no_chapter_says_a_feature_labkit_has_is_missing(path):
+    wrong = missing_features(_markdown(read(path)))
+    assert not wrong, f"{path.name} says these are missing, but labkit has them:\n" + "\n".join(wrong)
+
+
+def test_the_missing_feature_scan_finds_what_the_chapters_used_to_say():
+    """Two sentences the lab once had (chapters 4 and 8), each about a feature labkit has."""
+    assert missing_features("vLLM calls this recompute preemption; the alternative, swapping the blocks out "
+                            "to CPU memory, is not implemented here.")
+    assert len(missing_features("It adds what a shared service needs: authentication, request priorities, "
+                                "log probabilities, and tensor parallelism.")) == 2
+    assert not missing_features("Beyond what labkit has (API keys, log probabilities), it adds what a large "
+                                "service needs: request priorities.")
+
+
+def test_chapter_9_reads_its_swap_figures_right():
+    """The chapter's simulation (the same call as its cell): swapping loses with the smallest
+    blocks, the two modes stay within a few percent of each other from 16-token blocks on, and
+    both get slower with large blocks, as the text below it says."""
+    from labkit.sim import simulate, synthetic_trace
+    from labkit.sim.roofline import roofline
+    cm13 = roofline("llama-2-13b", "a100-80gb")
+    trace = synthetic_trace("sharegpt", 60, rate=8, seed=0)
+    latency = {(mode, bs): simulate(trace, block_size=bs, num_blocks=8192 // bs, cost_model=cm13, preemption_mode=mode,
+                                    num_host_blocks=4 * 8192 // bs if mode == "swap" else 0,
+                                    keep_records=False).metrics["normalized_latency_s"]
+               for mode in ("recompute", "swap") for bs in (8, 16, 32, 64, 128, 256)}
+    assert latency["swap", 8] > latency["recompute", 8]
+    gaps = [latency["swap", bs] / latency["recompute", bs] - 1 for bs in (16, 32, 64, 128, 256)]
+    assert max(abs(g) for g in gaps) < 0.05 and min(gaps) < 0 < max(gaps), gaps     # close, and no clear winner
+    assert all(latency[mode, 256] > latency[mode, 64] for mode in ("recompute", "swap"))
+    text = _markdown(read(PATHS.solutions / "09_beams_and_swaps.ipynb"))
+    assert "within a few percent" in text and "a little ahead or even" not in text
+
+
 # ---- running the notebooks ------------------------------------------------------------------
+def rerun_plan(nb) -> list[int]:
+    """The order in which to run a notebook's cells so that every check cell and the code cell
+    before it run twice: ..., i-1, i, i-1, i, ... (one run per notebook, not one per pair)."""
+    order = []
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    for k, i in enumerate(code):
+        order.append(i)
+        if is_check_cell(nb.cells[i]) and k > 0:
+            order += [code[k - 1], i]
+    return order
+
+
+def test_rerun_plan_doubles_each_check_and_the_cell_before_it():
+    nb = _notebook([("markdown", "# t"), ("code", "a"), ("code", "### BEGIN SOLUTION\nx\n### END SOLUTION"),
+                    ("markdown", "text"), ("code", "# CHECK exercise 1\ncheck(x)"), ("code", "b")])
+    assert rerun_plan(nb) == [1, 2, 4, 2, 4, 5]
+
+
+def _execute(path: Path, order: list[int] | None = None):
+    """Run a notebook's code cells in ``order`` (default: top to bottom) in one kernel, errors
+    allowed; return (notebook, [(cell index, error output), ...] in the order they happened).
+    A cell run twice keeps its second run's outputs."""
+    from nbclient import NotebookClient
+    nb = read(path)
+    order = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"] if order is None else order
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(path.parent)}})
+    errors = []
+    with client.setup_kernel():
+        for i in order:
+            cell = nb.cells[i]
+            cell.outputs = []
+            client.execute_cell(cell, i)
+            errors += [(i, o) for o in cell.outputs if o.get("output_type") == "error"]
+    return nb, errors
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", SOLUTIONS, ids=_ids(SOLUTIONS))
-def test_solution_passes_grading(path):
-    """``pytest --nbval-lax`` on the solution notebook: every cell runs without raising."""
+def test_solution_passes_with_each_check_and_the_cell_before_it_run_twice(path):
+    """Every cell of the solution runs without raising, and every check passes a second time
+    after its exercise cell ran again: no verdict depends on how many times a cell ran."""
     _skip_without_model(path)
     t0 = time.monotonic()
+    order = rerun_plan(read(path))
+    nb, errors = _execute(path, order)
+    took = time.monotonic() - t0
+    assert not errors, (f"{path.name}, run with every check cell and the cell before it twice ({took:.0f} s):\n"
+                        + "\n".join(f"cell {i} ({nb.cells[i].source.splitlines()[0][:60]!r}): {e['ename']}: "
+                                     f"{e['evalue'][:300]}" for i, e in errors))
+    checks = [c for c in nb.cells if is_check_cell(c)]
+    assert all("✓" in "".join(o.get("text", "") for o in c.outputs) for c in checks)
+    print(f"{path.name}: passed in {took:.0f} s, {len(order) - len(set(order))} cells run twice")
+
+
+@pytest.mark.slow
+def test_grading_command_passes_a_solution():
+    """``pytest --nbval-lax`` (the grading command) on a solution notebook: every check passes
+    under nbval (chapter 1: quick, no model needed)."""
+    path = PATHS.solutions / "01_kv_cache.ipynb"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider",
          f"--nbval-cell-timeout={CELL_TIMEOUT_S}", "-q", "-o", "addopts=", str(path)],
         cwd=ROOT, capture_output=True, text=True, timeout=30 * 60)
-    took = time.monotonic() - t0
-    assert proc.returncode == 0, f"{path.name} fails under nbval ({took:.0f} s):\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-    print(f"{path.name}: passed under nbval in {took:.0f} s")
+    assert proc.returncode == 0, f"{path.name} fails under nbval:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
 
 
 def _run_allowing_errors(path: Path):
     """Execute a notebook cell by cell; return (notebook, indices of cells that raised)."""
-    from nbclient import NotebookClient
-    nb = read(path)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(path.parent)}})
-    client.execute()
-    failed = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
-              and any(o.get("output_type") == "error" for o in c.get("outputs", []))]
-    return nb, failed
+    nb, errors = _execute(path)
+    return nb, sorted({i for i, _ in errors})
 
 
 def _describe(nb, i) -> str:
     err = next(o for o in nb.cells[i].outputs if o.get("output_type") == "error")
-    return f"cell {i} ({nb.cells[i].source.splitlines()[0][:60]!r}): {err['ename']}: {err['evalue'][:200]}"
+    return f"cell {i} ({nb.cells[i].source.splitlines()[0][:60]!r}): {err['ename']}: {err['evalue'][:300]}"
 
 
 @pytest.mark.slow
@@ -156,6 +334,12 @@ def test_student_notebook_fails_only_in_check_cells(path):
     passing_checks = sorted(checks - set(failed))
     assert not passing_checks, ("check cells pass in the unsolved notebook: "
                                 + ", ".join(f"cell {i}" for i in passing_checks))
+    # Run All shows no NameError: a check whose answers are not defined says "not answered yet"
+    name_errors = [i for i in failed for o in nb.cells[i].outputs if o.get("output_type") == "error"
+                   and (o["ename"] == "NameError" or "NameError" in "".join(o.get("traceback", [])))]
+    assert not name_errors, "NameError shown in " + ", ".join(_describe(nb, i) for i in name_errors)
+    unanswered = [i for i in checks if any(o.get("ename") == "NotAnsweredYet" for o in nb.cells[i].outputs)]
+    assert all("not answered yet" in _describe(nb, i) for i in unanswered)
     forms, _ = declared_forms()
     printed = leaks(nb, forms, f"notebooks/{path.name}, run unsolved")
     assert not printed, "a cell prints an exercise's answer before its check:\n" + "\n".join(printed)
@@ -241,13 +425,20 @@ def test_generate_check_strip_and_verify(tmp_path):
     (tmp_path / "solutions").mkdir()
     (tmp_path / "labkit").mkdir()
     paths = Paths(tmp_path)
-    nb = _notebook([("code", "### BEGIN SOLUTION hint: h\nx = 1\n### END SOLUTION"),
+    nb = _notebook([("code", "import torch"), ("markdown", "# Chapter 1 — x"),
+                    ("code", "### BEGIN SOLUTION hint: h\nx = 1\n### END SOLUTION"),
                     ("code", "# CHECK exercise 1\nassert x == 1")])
-    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="ok")]
+    nb.cells[3].outputs = [nbformat.v4.new_output("stream", text="ok")]
     (tmp_path / "solutions" / "01_x.ipynb").write_text(nbformat.writes(nb))
     problems = check(paths)
     assert any("stores outputs" in p for p in problems) and any("missing" in p for p in problems)
+    assert any("open on its title" in p for p in problems) and any("imports torch before labkit" in p for p in problems)
     assert strip(paths) == ["01_x.ipynb"] and strip(paths) == []
+    assert colab(paths) == ["01_x.ipynb"] and colab(paths) == []      # the title first, then the install cell
+    fixed = read(tmp_path / "solutions" / "01_x.ipynb")
+    assert is_title_cell(fixed.cells[0]) and fixed.cells[1].source == install_cell()
+    fixed.cells[2].source = "import labkit\nimport torch"
+    (tmp_path / "solutions" / "01_x.ipynb").write_text(dumps(fixed))
     assert generate(paths) == ["01_x.ipynb"] and generate(paths) == []
     assert check(paths) == []
     student = paths.notebooks / "01_x.ipynb"
@@ -262,7 +453,7 @@ def test_generate_check_strip_and_verify(tmp_path):
 
     submitted = read(student)
     assert verify_submission(student, paths) == []
-    submitted.cells[1].source = "# CHECK exercise 1\npass"
+    submitted.cells[4].source = "# CHECK exercise 1\npass"
     (tmp_path / "alice.ipynb").write_text(dumps(submitted))
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "01_x.ipynb").write_text(dumps(submitted))

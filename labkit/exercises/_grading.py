@@ -295,13 +295,16 @@ def agrees(answer: float, expected: float, figures: int = SIG_FIGS) -> bool:
 def precision_window(expected: float, figures: int = SIG_FIGS) -> tuple[float, float]:
     """The answers ``agrees`` accepts for ``expected``: the interval ``[low, high]`` of the
     numbers that round to the same ``figures`` figures (its ends are ties: either rounding
-    passes). Below a power of ten the figures are a tenth as wide: 0.9996 rounds to 1.00."""
-    r = round_sig(expected, figures)
-    unit = Decimal(1).scaleb(r.adjusted() - figures + 1)
-    power_of_ten = r.copy_abs() == Decimal(1).scaleb(r.adjusted())
-    below = unit / 20 if power_of_ten else unit / 2
-    low, high = (r - below, r + unit / 2) if r > 0 else (r - unit / 2, r + below)
-    return float(low), float(high)
+    passes; an ``expected`` that is itself a tie accepts both roundings). Below a power of ten
+    the figures are a tenth as wide: 0.9996 rounds to 1.00."""
+    lows, highs = [], []
+    for r in {round_sig(expected * (1 - _NOISE), figures), round_sig(expected * (1 + _NOISE), figures)}:
+        unit = Decimal(1).scaleb(r.adjusted() - figures + 1)
+        below = unit / 20 if r.copy_abs() == Decimal(1).scaleb(r.adjusted()) else unit / 2
+        low, high = (r - below, r + unit / 2) if r > 0 else (r - unit / 2, r + below)
+        lows.append(low)
+        highs.append(high)
+    return float(min(lows)), float(max(highs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -568,11 +571,14 @@ def judge(name: str, w: Written, expected: float | Sequence[float], *, mistakes:
 def check_exact(name: str, answer: int, expected: int | Sequence[int], *, mistakes: Sequence[Mistake] = (),
                 hint: str = "") -> int:
     """A count: exactly ``expected`` (or one of several acceptable counts); otherwise fail with
-    the matching mistake's hint, else the method ``hint``."""
+    the matching mistake's hint, else the method ``hint``. A known mistake that lands next to the
+    answer gets the method hint too: naming it would tell the student they are one off."""
     targets = [expected] if isinstance(expected, numbers.Integral) else list(expected)
     if answer in targets:
         return answer
-    hints = list(dict.fromkeys(h for value, h in mistakes if value == answer))
+    # A mistake one away from the answer is not told apart: its hint would say "one off".
+    hints = list(dict.fromkeys(h for value, h in mistakes
+                               if value == answer and all(abs(value - t) > 1 for t in targets)))
     why = (hints[0] if len(hints) == 1 else
            "Several slips give this number; one of them: " + " Or: ".join(hints) if hints else hint)
     fail(f"{name}: {fmt(answer)} is not right. {why}".rstrip())
@@ -615,6 +621,11 @@ def unit_mixup(w: Written, expected: float | Sequence[float], *, units: Mapping[
     for target in targets:
         for i in range(-4, 5):
             for j in (range(-4, 5) if binary else (0,)):
+                # GB for GiB is a factor of 1.02-1.1: told only where the student wrote a unit (the slip
+                # is in its choice); on a bare number it would only say "you are within 10%".
+                near = i != 0 and j != 0 and abs(math.log(1000.0**i * 1024.0**j)) < math.log(1.2)
+                if near and w.unit is None:
+                    continue
                 if (i, j) != (0, 0) and agrees(w.number, target * 1000.0**i * 1024.0**j / w.scale):
                     found = True
                     decimal_binary = decimal_binary or (i != 0 and j != 0)

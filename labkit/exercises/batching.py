@@ -45,16 +45,14 @@ def check_static_batch(iterations: object, busy_fraction: object) -> None:
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     steps, busy = _static_batch()
     longest, total = max(EX41_OUTPUTS), sum(EX41_OUTPUTS)
-    prefill_hint = ("The iteration that computes the prompts also samples each request's first token: is there "
-                    "an iteration that produces no token?")
     n = read_count("iterations", iterations)
     check_exact("iterations", n, steps,
-                mistakes=[(longest + 1, prefill_hint), (longest - 1, prefill_hint),
-                          (total, "The four requests run side by side, not one after another."),
+                mistakes=[(total, "The four requests run side by side, not one after another."),
                           (min(EX41_OUTPUTS), "A static batch does not end when its first request "
                                               "does: when does it end?")],
-                hint="When does a static batch end, and how many tokens does a running request get "
-                     "per iteration?")
+                hint="When does a static batch end, and how many tokens does a running request get per "
+                     "iteration? (The iteration that computes the prompts also samples each request's first "
+                     "token.)")
     check_share("busy_fraction", busy_fraction, busy,
                 mistakes=[(1 - busy, "That is the idle share; the question asks for the busy one."),
                           (total / (4 * (longest + 1)), "Count the iterations without a separate prefill."),
@@ -105,21 +103,26 @@ def ex42_expected() -> int:
     return 1 + next((n for n in reversed(pools) if ex42_preemptions(n)), pools.start - 1)
 
 
-def _ex42_mistakes() -> list[tuple[float, str]]:
-    """The pools students answer 4.2 with when they get the idea wrong, and what to say."""
+def _ex42_mistakes(answer: int) -> list[tuple[float, str]]:
+    """The pools students answer 4.2 with when they get the idea wrong, and what to say. The trap
+    (a pool that avoids preemption by luck, below the answer) is looked for only up to ``answer``:
+    it costs a simulation per pool."""
     pools = ex42_pools()
-    first_free = next((n for n in pools if not ex42_preemptions(n)), None)
     bs = EX42_SIM["block_size"]
     everything = sum(_blocks(r, bs) for r in synthetic_trace(**EX42_TRACE))
-    return [
-        (first_free, "That pool happens to avoid preemption, but the count does not fall steadily with the "
-                     "pool size: is every larger pool of the range free of it too?"),
+    mistakes = [
         (pools.stop - 1, "That is the pool where the longest requests all fit at full length, so nothing can "
                          "be preempted there by construction; the question asks from which pool on no "
                          "preemption happens on this trace."),
         (everything, "That reserves every request's full length at once: static batching's sizing, not "
                      "what continuous batching needs."),
     ]
+    if answer < ex42_expected():
+        first_free = next((n for n in range(pools.start, answer + 1) if not ex42_preemptions(n)), None)
+        if first_free == answer:
+            mistakes.append((answer, "That pool happens to avoid preemption, but the count does not fall steadily "
+                                     "with the pool size: is every pool of the range above it free of it too?"))
+    return mistakes
 
 
 @graded("4.2")
@@ -133,9 +136,10 @@ def check_preemption_free_pool(num_blocks: object) -> None:
     if n not in pools:
         fail(f"num_blocks: {n:,} is not one of the pool sizes to consider, ex42_pools() = {pools.start} to "
              f"{pools.stop - 1}.")
-    check_exact("num_blocks", n, ex42_expected(), mistakes=_ex42_mistakes(),
+    check_exact("num_blocks", n, ex42_expected(), mistakes=_ex42_mistakes(n),
                 hint="Count the preemptions on every pool size of ex42_pools() (each run takes a few "
-                     "hundredths of a second), and find the smallest size from which no larger one preempts.")
+                     "hundredths of a second), and find the smallest size s such that no size from s to the end of the "
+                     "range preempts.")
     bs = EX42_SIM["block_size"]
     total = sum(_blocks(r, bs) for r in synthetic_trace(**EX42_TRACE))
     below = f"; {n - 1} preempts" if n > pools.start else ""

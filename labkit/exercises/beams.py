@@ -66,8 +66,8 @@ def check_beam_blocks(blocks_held: object, blocks_without_sharing: object, copie
     logical = read_count("blocks_without_sharing", blocks_without_sharing)
     n = read_count("copies", copies)
     if held == c.blocks_without_sharing and logical == c.blocks_held:
-        fail("blocks_held and blocks_without_sharing look swapped: sharing makes the physical "
-             "blocks the smaller of the two.")
+        fail("blocks_held and blocks_without_sharing look swapped: a block that several tables name is held "
+             "once, so the physical count can never exceed the count without sharing.")
     check_exact("blocks_held", held, c.blocks_held, mistakes=[
         (c.held_if_dead_kept, "A beam that is not extended at a step dies, and its table is freed at "
                               "once: its private blocks go back to the pool."),
@@ -200,6 +200,7 @@ def crossover_expected() -> int:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def _crossover_mistakes() -> list[tuple[float, str]]:
     """The block sizes students find for 9.3 when they cost the swap another way, with what
     to say; a size that several ways give gets all their hints (the student made one of them)."""

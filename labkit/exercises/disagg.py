@@ -126,6 +126,7 @@ def _first_reaching(time_of, target: float) -> int | None:
     return hi
 
 
+@functools.lru_cache(maxsize=None)
 def _doubling_mistakes() -> list[tuple[float, str]]:
     """The prompts students find for 7.2 when one step of the method goes wrong."""
     cm = cost_model()
@@ -184,6 +185,7 @@ def chunk_budget_expected() -> int:
     return max(ok)
 
 
+@functools.lru_cache(maxsize=None)
 def _chunk_budget_mistakes() -> list[tuple[float, str]]:
     """The budgets students find for 7.3 when one step of the method goes wrong."""
     cm = cost_model()
@@ -281,6 +283,7 @@ def plan_expected(problem: PlanProblem = PROBLEM) -> Plan:
     return Plan(d, n_p, batch, by_memory, tok_per_s, n_d)
 
 
+@functools.lru_cache(maxsize=None)
 def _plan_mistakes(problem: PlanProblem = PROBLEM) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
     """(prefill, decode) pool sizes students give for 7.4 when one step goes wrong, with hints."""
     cm = cost_model()

@@ -180,7 +180,8 @@ def check_70b_requests(request_bytes: object, requests_that_fit: object) -> None
                            "A request cannot be partly resident: whole requests only, and none may overflow."),
                           (math.floor(gib_reading), "You read 45 GB as 45 GiB: GB are 10^9 bytes, GiB 2^30 bytes; "
                                                     "the exercise gives 45 × 10^9 bytes.")],
-                hint="How many whole requests' KV fit in the memory left for the cache?")
+                hint="How many whole requests' KV fit in the memory left for the cache? (A request is resident "
+                     "in full or not at all.)")
     passed(f"4096 × {m.kv_bytes_per_token // 1024} KiB = {_human(per_request)} per request (not 320 MB); "
            f"45 GB holds {fit} of them, not {LESSON_CONCURRENT}: at full context the lesson's GPU serves "
            f"~{LESSON_CONCURRENT // fit}× fewer requests than it claims.")
@@ -378,13 +379,10 @@ def check_batch_iterations(llm, prompt_lens: list[int], max_tokens: int, predict
     check_exact("predicted_steps", p, expected,
                 mistakes=[(k * max_tokens, f"That would be one request at a time. Continuous batching runs "
                                            f"all {k} in the same iterations: one token each per iteration."),
-                          (max_tokens + 1, "The iteration that computes a prompt (prefill) also samples its "
-                                           "first token: is there a separate prefill step?"),
-                          (max_tokens - 1, "The iteration that computes a prompt (prefill) also samples its "
-                                           "first token: is there a separate prefill step?"),
                           (k * (max_tokens - 1) + 1, "All prompts are prefilled together, and the decodes "
                                                      "run together too.")],
-                hint="Each iteration gives every running request one new token.")
+                hint="Each iteration gives every running request one new token, and the first one (the prefill, "
+                     "which computes the prompts) already samples each request's first token.")
     m = read_count("measured_steps", measured_steps)
     if m != expected:
         fail(f"measured_steps: {m:,} does not match your prediction, which is right. Measure the change of "

@@ -96,7 +96,8 @@ def check_exercise_2(num_blocks: object, wasted_slots: object, internal_fragment
     check_exact("num_blocks", read_count("num_blocks", nb), blocks,
                 mistakes=[(n // bs, "That counts the full blocks only; the tokens left over after them "
                                     "need a block too.")],
-                hint=f"Each block holds {bs} tokens; how many blocks do {n} tokens need?")
+                hint=f"Each block holds {bs} tokens, and a partly filled block is still a whole block: how many "
+                     f"blocks do {n} tokens need?")
     check_exact("wasted_slots", read_count("wasted_slots", wasted_slots), empty,
                 mistakes=[(n % bs, "That is how many tokens the last block holds; the question asks for "
                                    "its empty slots.")],

@@ -55,8 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=int, default=None, help="most tokens per sequence (prompt + output)")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     e.add_argument("--attention-backend", default="auto", choices=BACKENDS,
-                   help="auto (default): Triton on a GPU of compute capability 8.0+, the CPU kernels on a CPU")
-    e.add_argument("--dtype", default="float32", help="float32 (default), float16, bfloat16")
+                   help="auto (default): Triton on a GPU of compute capability 7.5+, the CPU kernels on a CPU")
+    e.add_argument("--dtype", default="auto",
+                   help="auto (default: float32; float16 on GPUs below compute capability 8.0, e.g. a T4), "
+                        "float32, float16, bfloat16")
     e.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for their first iteration before new ones get 429 (-1: no bound)")
     e.add_argument("--step-delay", type=float, default=0.0,

@@ -26,7 +26,7 @@ from .memory import BlockAllocator, prefix_cache_policy
 from .model.kv_cache import device_memory, plan_kv_cache, size_text
 from .model.llama import ModelSpec
 from .model.loader import load_model
-from .model.runner import ModelRunner
+from .model.runner import ModelRunner, resolve_dtype
 from .openmp import warn_if_too_late
 from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput, error_output, request_output
 from .request import Request, encode_prompt, is_token_id, split_prompt
@@ -35,8 +35,6 @@ from .scheduler import POLICIES, PREEMPTION_MODES, make_scheduler
 from .utils import progress_bar
 
 Prompt = str | list[int]
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 class LLM:
@@ -57,7 +55,7 @@ class LLM:
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool | str = True, enable_chunked_prefill: bool = True,
-                 attention_backend: str = "auto", dtype: str | torch.dtype = "float32",
+                 attention_backend: str = "auto", dtype: str | torch.dtype = "auto",
                  device: str | None = None, policy: str = "continuous", watermark: float = 0.01,
                  num_threads: int | None = None, preemption_mode: str = "recompute",
                  swap_space: float = 4.0, num_host_blocks: int | None = None,
@@ -77,10 +75,9 @@ class LLM:
             raise ValueError(f"block_size must be an integer in [1, 256], got {block_size!r}")
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory, not both")
-        torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-        if torch_dtype is None:
-            raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # "auto": fp32, or fp16 on a GPU below compute capability 8.0 (Colab's T4): resolve_dtype says why.
+        torch_dtype, dtype_reason = resolve_dtype(dtype, device)
         _check_swap_args(preemption_mode, swap_space, num_host_blocks)
 
         if kv_cache_memory is not None and (not isinstance(kv_cache_memory, int) or kv_cache_memory <= 0):
@@ -111,17 +108,17 @@ class LLM:
         host_cache = self.runner.kv_cache.host_pool(host_blocks) if host_blocks else None
         self.engine = Engine(scheduler, ModelExecutor(self.runner, host_cache), tokenizer=self.tokenizer)
         self._ids = itertools.count()
-        print(f"labkit: {self._load_line(device, torch_dtype)}; KV cache {self.runner.num_blocks} blocks x "
+        print(f"labkit: {self._load_line(device, dtype_reason)}; KV cache {self.runner.num_blocks} blocks x "
               f"{block_size} tokens ({size_text(self.runner.kv_cache.nbytes)}): {self.kv_plan.how}", file=sys.stderr)
         if self.runner.device.type == "cpu":
             warn_if_too_late(torch.get_num_threads())
 
     _said: set[str] = set()   # load lines already printed in this process
 
-    def _load_line(self, device, dtype) -> str:
+    def _load_line(self, device, dtype: str) -> str:
         """The model and attention backend, in full the first time a process loads them;
         the same again (a benchmark's sweep, a notebook's second engine) says "as above"."""
-        what = f"{self.runner.name} on {device} ({str(dtype).removeprefix('torch.')}), attention backend"
+        what = f"{self.runner.name} on {device} ({dtype}), attention backend"
         line = f"{what}: {self.runner.attention_backend_reason}"
         if line in LLM._said:
             return f"{what} {self.runner.attention_backend} as above"

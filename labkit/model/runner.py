@@ -217,6 +217,10 @@ class ModelRunner:
         self.attention_backend = getattr(self.ops, "name", type(self.ops).__name__)
         if getattr(self.ops, "fused", None) is not None and dtype not in (torch.float32, torch.bfloat16):
             self.ops = dataclasses.replace(self.ops, fused=None)  # the fused C++ ops take fp32 and bf16 only
+        if self.attention_backend == "cpu" and dtype == torch.float16:
+            self.attention_backend_reason = ("CPU backend in fp16: the torch reference's decode and SDPA for "
+                                             "prefill chunks (the C++ and Numba kernels and oneDNN's packed "
+                                             "weights take fp32 and bf16: fp16 on a CPU saves memory, not time)")
         # The CPU backend is the fast path: its matmuls use oneDNN's packed weights too. The
         # "torch" backend keeps the plain ones, the reference chapters 5 and 6 read.
         self.packed_linears = self.attention_backend == "cpu" and can_pack_linears(self.device, dtype)

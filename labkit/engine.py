@@ -7,7 +7,9 @@ real generation all go through the same scheduler and block manager.
 
 An executor has one method, ``execute(plan) -> ExecuteResult``, and two attributes:
 ``simulated`` (whether its durations are modelled rather than measured) and
-``vocab_size`` (token ids a prompt may hold). Given a tokenizer, the engine also turns
+``vocab_size`` (token ids a prompt may hold). One that drafts (``ModelExecutor`` with
+jump-forward decoding on) also has ``jump``, whose drafts the engine fits around the
+scheduler (``labkit.structured.jump_forward``). Given a tokenizer, the engine also turns
 tokens into text as they arrive and stops sequences at their stop strings, in the same
 iteration. Requests and sequences retire in one place, ``Scheduler.finish_sequence``.
 """
@@ -138,7 +140,12 @@ class Engine:
         scheduler bug: nothing would ever change, and a caller's loop would hang)."""
         start = self.now
         t0 = time.perf_counter()
+        jump = getattr(self.executor, "jump", None)   # jump-forward decoding (labkit.structured.jump_forward)
+        if jump is not None:
+            jump.draft(self.scheduler)                # tokens a grammar forces join their sequences
         plan = self.scheduler.schedule(start)
+        if jump is not None:
+            jump.fit(plan)                            # drafts the plan gave no slot are taken back
         t1 = time.perf_counter()
         self.last_plan = plan
         if plan.is_empty:
@@ -152,6 +159,8 @@ class Engine:
             return []
         result = self.executor.execute(plan)
         t2 = time.perf_counter()
+        if jump is not None:                          # drafts the model disagreed with give their slots back
+            jump.settle(plan, keep_empty_blocks=self.scheduler.policy == "static")
         if self.executor.simulated:
             self._sim_now += result.duration_s
         end = self.now

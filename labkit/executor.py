@@ -42,7 +42,7 @@ class ModelExecutor:
 
     simulated = False
 
-    def __init__(self, runner: ModelRunner, host_cache: KVCache | None = None):
+    def __init__(self, runner: ModelRunner, host_cache: KVCache | None = None, jump_forward: bool = False):
         self.runner = runner
         # Host blocks for preemption by swapping (None in recompute mode): indexed by the
         # scheduler's host allocator as the runner's KV cache is by its block allocator.
@@ -53,6 +53,10 @@ class ModelExecutor:
         self.tokenizer = runner.tokenizer
         self.vocab_size = runner.vocab_size
         self._grammars = None             # labkit.structured.GrammarMatchers, made by the first request that asks
+        # Jump-forward decoding for constrained requests (docs/structured_outputs.md): switch it on
+        # or off between steps; the drafter is made when both it and a grammar are there.
+        self.jump_forward = jump_forward
+        self._jump = None
 
     @property
     def grammars(self):
@@ -65,12 +69,26 @@ class ModelExecutor:
             self._grammars = GrammarMatchers(self.tokenizer, self.vocab_size, self.runner.eos_token_ids)
         return self._grammars
 
+    @property
+    def jump(self):
+        """The jump-forward drafter (``labkit.structured.jump_forward``) when ``jump_forward`` is
+        on and a constrained request has come; else None. The engine calls it around each step."""
+        if not self.jump_forward or self._grammars is None:
+            return None
+        if self._jump is None:
+            from .structured.jump_forward import JumpForward
+            self._jump = JumpForward(self._grammars)
+        return self._jump
+
     def execute(self, plan: SchedulerOutput) -> ExecuteResult:
         t0 = time.perf_counter()
+        jump = self.jump
         wants_prompt = [_prompt_targets(item) for item in plan.scheduled]
+        drafts = [jump.num_drafts(item) if jump is not None else 0 for item in plan.scheduled]
         chunks = [SeqChunk(item.token_ids, item.num_computed_tokens, item.seq.block_table.block_ids,
-                           item.num_samples > 0, item.is_prefill, all_logits=targets is not None)
-                  for item, targets in zip(plan.scheduled, wants_prompt)]
+                           item.num_samples > 0, item.is_prefill or item.num_new_tokens > 1,
+                           all_logits=targets is not None or d > 0)
+                  for item, targets, d in zip(plan.scheduled, wants_prompt, drafts)]
         if plan.swap_out or plan.swap_in:
             self._swap(plan)
         logits = self.runner.execute(chunks, plan.copies)
@@ -78,14 +96,15 @@ class ModelExecutor:
             self._grammars.forget_finished()
         rows: list[SamplingRow] = []
         row_of: list[int] = []            # which logits row each sampling row reads
+        row_at: list[tuple] = []          # (scheduled item, position of the token it samples) per sampling row
         penalized: list[int] = []         # sampling rows with logit processing
         grammar_rows: list = []           # sampling rows a grammar constrains (structured.MaskRow)
         prompt_lp: list[tuple[int, list[dict]] | None] | None = None    # built only when asked
         end = 0                           # logits rows used so far
         for k, item in enumerate(plan.scheduled):
-            targets = wants_prompt[k]
+            targets, d = wants_prompt[k], drafts[k]
             start = end
-            end += len(item.token_ids) if targets is not None else int(item.num_samples > 0)
+            end += len(item.token_ids) if targets is not None or d else int(item.num_samples > 0)
             if targets is not None:       # row start + j predicts token num_computed + j + 1
                 first, last = targets
                 base = start - item.num_computed_tokens - 1
@@ -100,36 +119,70 @@ class ModelExecutor:
                 continue
             params = item.seq.request.params
             for index in item.sample_indices:
-                gen = None
-                if params.seed is not None and not params.greedy:
-                    gen = make_generator(_row_seed(params.seed, index, item.sample_position))
-                if params.needs_penalties:
-                    penalized.append(len(rows))
-                if params.structured_outputs is not None:
-                    grammar_rows.append(MaskRow(len(rows), item.seq.request, index))
-                rows.append(SamplingRow(params.temperature, params.top_p, params.top_k, gen, params.min_p))
-                row_of.append(end - 1)
+                # A jump's d drafted positions are sampled too, each as a step of its own would
+                # sample it (structured.jump_forward): the grammar's state after the drafts before
+                # it, the generator of its position.
+                for j in range(d + 1):
+                    position = item.sample_position - d + j
+                    gen = None
+                    if params.seed is not None and not params.greedy:
+                        gen = make_generator(_row_seed(params.seed, index, position))
+                    if params.needs_penalties:
+                        penalized.append(len(rows))
+                    if params.structured_outputs is not None:
+                        assumed = tuple(item.seq.token_ids[position - j:position])
+                        grammar_rows.append(MaskRow(len(rows), item.seq.request, index, assumed))
+                    rows.append(SamplingRow(params.temperature, params.top_p, params.top_k, gen, params.min_p))
+                    row_of.append(end - 1 - d + j)
+                    row_at.append((item, position))
         sampled_flat: list[int] = []
         table = None
         if rows:
-            identity = len(row_of) == logits.shape[0] and not any(t is not None for t in wants_prompt)
+            identity = row_of == list(range(logits.shape[0]))
             table = logits if identity else logits[torch.tensor(row_of, device=logits.device)]
             if grammar_rows:              # in place: logprobs are read after the mask too
                 self.grammars.mask(table, grammar_rows)
             processed = table
             if penalized:
                 processed = table.clone()
-                processed[penalized] = apply_penalties(table[penalized], self._penalty_rows(plan, penalized))
+                processed[penalized] = apply_penalties(table[penalized], _penalty_rows(row_at, penalized))
             sampled_flat = sample(processed, rows)
-            for g in grammar_rows:
-                self.grammars.accept(g.request, g.index, [sampled_flat[g.row]])
-        sampled, k = [], 0
-        for item in plan.scheduled:
-            sampled.append(sampled_flat[k:k + item.num_samples])
-            k += item.num_samples
+        # Each item's tokens, and the sampling rows that chose them: a jump keeps its drafts up
+        # to the first one its sample disagrees with, and that sample is the step's token.
+        sampled: list[list[int]] = []
+        chosen: list[list[tuple[int, int]]] = []      # per item: (sampling row, token) of each token it gains
+        r = 0
+        for k, item in enumerate(plan.scheduled):
+            d = drafts[k]
+            if d and item.num_samples:
+                draft = item.seq.token_ids[item.sample_position - d:item.sample_position]
+                got = sampled_flat[r:r + d + 1]
+                kept = next((j for j in range(d) if got[j] != draft[j]), d)
+                chosen.append([(r + j, t) for j, t in enumerate(draft[:kept] + [got[kept]])])
+                sampled.append([got[kept]])
+            else:
+                chosen.append([(r + j, sampled_flat[r + j]) for j in range(item.num_samples)])
+                sampled.append(sampled_flat[r:r + item.num_samples])
+            r += item.num_samples * (d + 1)
+        for item, gained in zip(plan.scheduled, chosen):
+            request = item.seq.request
+            if not gained or request.params.structured_outputs is None:
+                continue
+            if len(item.sample_indices) > 1:          # n samples at a fork: one token each
+                for index, (_, token) in zip(item.sample_indices, gained):
+                    self.grammars.accept(request, index, [token])
+            else:                                     # one sample: a jump's kept drafts, then its token
+                self.grammars.accept(request, item.sample_indices[0], [t for _, t in gained])
         logprobs = None                   # built only when a sampled request asks
         if any(item.num_samples and item.seq.request.params.logprobs is not None for item in plan.scheduled):
-            logprobs = self._sample_logprobs(plan, table, sampled_flat)
+            logprobs = self._sample_logprobs(plan, table, chosen, drafts)
+        if jump is not None:
+            for k, item in enumerate(plan.scheduled):
+                if drafts[k] and item.num_samples:
+                    entries = logprobs[k] if logprobs is not None else None
+                    jump.verified(item.seq, len(chosen[k]) - 1, entries[:-1] if entries else None)
+                    if entries:
+                        logprobs[k] = entries[-1:]
         return ExecuteResult(sampled, time.perf_counter() - t0, logprobs, prompt_lp)
 
     def _swap(self, plan: SchedulerOutput) -> None:
@@ -147,30 +200,21 @@ class ModelExecutor:
             torch.cuda.synchronize(device.data.device)   # so that swap_s measures the copies
         self.swap_s += time.perf_counter() - t0
 
-    def _penalty_rows(self, plan: SchedulerOutput, wanted: list[int]) -> list[PenaltyRow]:
-        """The ``PenaltyRow`` of each sampling row in ``wanted`` (sampling-row numbers)."""
-        items = [item for item in plan.scheduled for _ in item.sample_indices]
-        out = []
-        for r in wanted:
-            seq, params = items[r].seq, items[r].seq.request.params
-            out.append(PenaltyRow(seq.token_ids, seq.num_prompt_tokens, params.repetition_penalty,
-                                  params.presence_penalty, params.frequency_penalty, params.logit_bias))
-        return out
-
-    def _sample_logprobs(self, plan: SchedulerOutput, table: torch.Tensor,
-                         sampled_flat: list[int]) -> list[list[dict] | None]:
-        """Per scheduled item, one ``{token: Logprob}`` per sample when its request asks for
-        logprobs (else None), from the raw logits ``table`` (one row per sampled token)."""
+    def _sample_logprobs(self, plan: SchedulerOutput, table: torch.Tensor, chosen: list[list[tuple[int, int]]],
+                         drafts: list[int]) -> list[list[dict] | None]:
+        """Per scheduled item, one ``{token: Logprob}`` per token it gains (``chosen``: the
+        sampling row and token of each) when its request asks for logprobs, else None; read
+        from ``table`` (the logits each sampling row sampled from, before any processing but
+        the grammar's mask). A jump's drafts get theirs too (the engine files them)."""
         logprobs: list[list[dict] | None] = [None] * len(plan.scheduled)
-        rows, tokens, tops, owners, r = [], [], [], [], 0
+        rows, tokens, tops, owners = [], [], [], []
         for k, item in enumerate(plan.scheduled):
             top = item.seq.request.params.logprobs
-            if top is not None and item.num_samples:
-                rows.extend(range(r, r + item.num_samples))
-                tokens.extend(sampled_flat[r:r + item.num_samples])
-                tops.extend([top] * item.num_samples)
-                owners.append((k, item.num_samples))
-            r += item.num_samples
+            if top is not None and chosen[k]:
+                rows += [r for r, _ in chosen[k]]
+                tokens += [t for _, t in chosen[k]]
+                tops += [top] * len(chosen[k])
+                owners.append((k, len(chosen[k])))
         entries = logprob_entries(table[rows], tokens, tops, self._decode)
         i = 0
         for k, count in owners:
@@ -188,6 +232,19 @@ class ModelExecutor:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def _penalty_rows(row_at: list[tuple], wanted: list[int]) -> list[PenaltyRow]:
+    """The ``PenaltyRow`` of each sampling row in ``wanted``: its request's settings, and the
+    tokens before the position it samples (a jump's drafted positions see the drafts before them)."""
+    out = []
+    for r in wanted:
+        item, position = row_at[r]
+        seq, params = item.seq, item.seq.request.params
+        tokens = seq.token_ids if position == len(seq.token_ids) else seq.token_ids[:position]
+        out.append(PenaltyRow(tokens, seq.num_prompt_tokens, params.repetition_penalty,
+                              params.presence_penalty, params.frequency_penalty, params.logit_bias))
+    return out
 
 
 def _prompt_targets(item) -> tuple[int, int] | None:

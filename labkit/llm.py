@@ -49,6 +49,9 @@ class LLM:
     When memory runs out, a running sequence is preempted: ``preemption_mode="recompute"``
     drops its KV and prefills it again later; ``"swap"`` copies its blocks to a host pool of
     ``swap_space`` GiB (or ``num_host_blocks`` blocks) and back (docs/swapping.md).
+    ``jump_forward``: a request with ``structured_outputs`` gets the tokens its grammar forces
+    drafted and verified in one step instead of one step each; the output is the same either
+    way (docs/structured_outputs.md). Switch it later with ``llm.engine.executor.jump_forward``.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, block_size: int = 16, num_blocks: int | None = None,
@@ -59,6 +62,7 @@ class LLM:
                  device: str | None = None, policy: str = "continuous", watermark: float = 0.01,
                  num_threads: int | None = None, preemption_mode: str = "recompute",
                  swap_space: float = 4.0, num_host_blocks: int | None = None,
+                 jump_forward: bool = True,
                  prefix_caching: bool | str | None = None):
         # Prefix caching: True or "hash" (vLLM's block hashes), "radix" (SGLang's radix tree),
         # False; ``prefix_caching=`` is the same option under the issue's shorter name.
@@ -106,7 +110,8 @@ class LLM:
                                    preemption_mode=preemption_mode if host_blocks else "recompute",
                                    num_host_blocks=host_blocks)
         host_cache = self.runner.kv_cache.host_pool(host_blocks) if host_blocks else None
-        self.engine = Engine(scheduler, ModelExecutor(self.runner, host_cache), tokenizer=self.tokenizer)
+        self.engine = Engine(scheduler, ModelExecutor(self.runner, host_cache, jump_forward=jump_forward),
+                             tokenizer=self.tokenizer)
         self._ids = itertools.count()
         print(f"labkit: {self._load_line(device, dtype_reason)}; KV cache {self.runner.num_blocks} blocks x "
               f"{block_size} tokens ({size_text(self.runner.kv_cache.nbytes)}): {self.kv_plan.how}", file=sys.stderr)

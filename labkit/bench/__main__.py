@@ -24,6 +24,7 @@ COMMANDS = {
     "gpu-compile": "every Triton kernel compiled for T4/A100/L4/H100 without a GPU: shared memory, registers, spills",
     "sharing": "memory saved by sharing blocks: parallel sampling and beam search (paper's Figure 15)",
     "prefix": "prefix caching policies side by side: hash blocks vs radix tree vs none, per workload",
+    "structured": "grammar-constrained decoding: mask cost, tok/s with and without, jump-forward, validity",
     "startup": "how long the CLI's --help and labkit's imports take in a fresh process",
 }
 

@@ -181,6 +181,34 @@ class BlockTable:
         for _ in range(need):
             self.block_ids.append(self.allocator.allocate())
 
+    def truncate(self, num_tokens: int, free_empty_blocks: bool = True) -> None:
+        """Give back the slots of every token after the first ``num_tokens``: tokens that got
+        slots for a step but are not kept (drafted tokens the model rejected: jump-forward
+        decoding, speculative decoding). Blocks left empty return to the pool, unless
+        ``free_empty_blocks`` is False (a reservation made ahead, as static batching does,
+        keeps them). Only slots whose K/V was never published may go: a block already in
+        the prefix cache is full and kept whole."""
+        self._check_live()
+        if not 0 <= num_tokens <= len(self.token_ids):
+            raise ValueError(f"truncate({num_tokens}): the table holds {len(self.token_ids)} tokens")
+        bs, alloc = self.block_size, self.allocator
+        published = max(len(self.block_hashes), self.num_published_blocks) * bs
+        if num_tokens < published:
+            raise ValueError(f"truncate({num_tokens}): the first {published} tokens' blocks are in the prefix cache")
+        old = len(self.token_ids)
+        if num_tokens == old:
+            return
+        del self.token_ids[num_tokens:]
+        keep, had = cdiv(num_tokens, bs), cdiv(old, bs)
+        if num_tokens % bs:
+            alloc.set_fill(self.block_ids[keep - 1], num_tokens % bs)
+        for b in self.block_ids[keep:had]:
+            alloc.set_fill(b, 0)
+            if free_empty_blocks:
+                alloc.free(b)
+        if free_empty_blocks:
+            del self.block_ids[keep:had]
+
     def _last_block_is_shared(self) -> bool:
         """Whether the block the next token goes into is partly filled and held by others."""
         n = len(self.token_ids)

@@ -50,6 +50,9 @@ class GrammarMatchers:
         self._batch = None                         # xgrammar.BatchGrammarMatcher, made on first use
         self._bitmask = allocate_bitmask(0, vocab_size)
         self.max_threads = max_threads
+        # Called as observer(rows, raw logits of those rows, their bitmask rows) whenever a batch
+        # is masked: how the chapter's widget sees each step (labkit.viz.structured). None: nothing.
+        self.observer = None
         self.mask_s = 0.0
         self.num_masked_rows = 0
         self.num_mask_calls = 0
@@ -127,8 +130,13 @@ class GrammarMatchers:
             return
         t0 = time.perf_counter()
         bitmask = self.fill(rows, logits.shape[0])
+        t1 = time.perf_counter()
+        if self.observer is not None:        # outside the timing: a widget's copies are not the mask's cost
+            index = [r.row for r in rows]
+            self.observer(rows, logits[index].detach().float().cpu(), bitmask[index].clone())
+        t2 = time.perf_counter()
         apply_bitmask(logits, bitmask, [r.row for r in rows])
-        self.mask_s += time.perf_counter() - t0
+        self.mask_s += (t1 - t0) + (time.perf_counter() - t2)
         self.num_masked_rows += len(rows)
         self.num_mask_calls += 1
 

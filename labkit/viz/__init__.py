@@ -20,6 +20,9 @@
   search's tree, each beam's block table with the shared blocks' reference counts, and the
   device and host pools, step by step through forks, deaths and swaps; ``record_engine_beams``
   records a real engine's beam search for it.
+* the **grammar's view** (``trace_grammar``, ``grammar_figure``, ``grammar_data``): at each step of a
+  constrained generation (``structured_outputs``), the model's most likely tokens, which of them
+  the grammar allowed, how many tokens it allowed in all, and the tokens jump-forward drafted.
 
 Importing ``labkit.viz`` is light: plotly and ipywidgets load when a figure or widget is
 first built (``pip install 'labkit[lab]'`` provides them). Figure functions return plain
@@ -51,6 +54,8 @@ _EXPORTS = {
     "radix_tree_of": "radix", "RadixTreeWidget": "radix", "make_radix_engine": "radix",
     "BeamTree": "beams", "beam_figure": "beams", "beam_figure_dict": "beams", "BeamWidget": "beams",
     "beam_animation": "beams", "demo_tree": "beams", "record_engine_beams": "beams",
+    "GrammarStep": "structured", "trace_grammar": "structured", "grammar_data": "structured",
+    "grammar_figure": "structured",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -255,3 +255,27 @@ def test_the_plan_shows_no_secret_of_this_machine(plan, hidden):
     assert "/etc/shadow" in plan.masked or not os.path.exists("/etc/shadow")
     env = kernel_env(plan, {"X": "1"})
     assert env["HOME"] == sb.HOME and env["HF_HUB_OFFLINE"] == "1" and "INSTRUCTOR_TOKEN" not in env
+
+
+@pytest.mark.notebook
+def test_a_class_graded_without_a_sandbox_says_so_everywhere(tmp_path, capsys):
+    """``--sandbox none`` (what ``auto`` falls back to where nothing works): graded all the same,
+    with a warning on the terminal, in the summary, and in every row's ``sandbox`` column."""
+    import csv
+
+    import nbformat
+
+    from labkit.grade.__main__ import main
+    from labkit.notebooks import read
+    nb = read(ROOT / "solutions" / "02_paging.ipynb")
+    nb.cells = [c for c in nb.cells if c.cell_type == "code" and ("SOLUTION" in c.source or "CHECK" in c.source
+                                                                   or "from labkit" in c.source)]
+    (tmp_path / "subs" / "alice").mkdir(parents=True)
+    nbformat.write(nb, tmp_path / "subs" / "alice" / "02_paging.ipynb")
+    out = tmp_path / "grades.csv"
+    assert main([str(tmp_path / "subs"), "--out", str(out), "--sandbox", "none", "--jobs", "1",
+                 "--root", str(ROOT)]) == 0
+    said = capsys.readouterr()
+    assert "WARNING: NO SANDBOX" in said.err and "WARNING: NO SANDBOX" in said.out
+    (row,) = list(csv.DictReader(out.open()))
+    assert (row["student"], row["points"], row["sandbox"]) == ("alice", "10", "none")

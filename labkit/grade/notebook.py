@@ -129,7 +129,7 @@ def _said(error: tuple[str, str]) -> str:
 class _Place:
     """Where an exercise is graded in the submission, and what its check cell became."""
     check: Check
-    at: int                       # the submission's cell the answer cell stands for (or precedes)
+    at: float                     # the submission's cell it stands for (x.5: a deleted one, before cell x+1)
     cells: list[Cell]             # the cells that stand for the check in the run
     plan: dict
 
@@ -154,7 +154,7 @@ def _places(row: Row, submitted, lab: Distributed, seed: str) -> tuple[dict[str,
     for check, m in zip(lab.checks, matches):
         copies = [i for i in positions if i not in paired and i not in extra
                   and submitted.cells[i].source.lstrip("\n").splitlines()[0].strip() == m.title]
-        found = [i for i in ([m.found] if m.found is not None else []) + copies]
+        found = ([m.found] if m.found is not None else []) + copies
         if not found:
             continue
         at = max(found)

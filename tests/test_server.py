@@ -91,6 +91,8 @@ def test_health_models_metrics(server):
     text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
     assert "# TYPE labkit_generation_tokens_total counter" in text
     assert "# TYPE labkit_kv_blocks_used gauge" in text
+    # a private server (no keys) describes its API; one with keys does not (test_server_limits.py)
+    assert httpx.get(server.url + "/openapi.json", timeout=TIMEOUT).json()["info"]["title"] == "labkit"
 
 
 def test_concurrent_streams_equal_offline(server, offline):

@@ -347,6 +347,13 @@ def test_an_idle_kept_alive_connection_is_closed(server):
         assert time.monotonic() - start < LIMITS.keep_alive_timeout_s + 2
 
 
+def test_the_startup_heap_is_frozen(server):
+    """The model's and torch's objects are out of the garbage collector's reach (``heap.py``):
+    a full collection set off by requests' garbage walks only what requests made."""
+    import gc
+    assert gc.get_freeze_count() > 100_000
+
+
 def test_docs_and_openapi_are_off_with_keys(server):
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(server.url + path, timeout=TIMEOUT).status_code == 404

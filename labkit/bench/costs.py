@@ -13,6 +13,7 @@ loop does) with ``--batch`` plain greedy decoders running beside one request tha
 option, against the same batch beside a plain request. The costly request is resubmitted
 as soon as it finishes, so that it is always in flight, prompt steps included.
 
+The heap is frozen after the model loads, as the server freezes it (``labkit.server.heap``).
 The options are set at the server's default limits (``labkit.server.limits.Limits``), and
 a few beyond them for comparison (those rows say so: the server refuses such requests).
 Scenarios run interleaved, round by round, and the table reports medians over the rounds,
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
+from ..server.heap import freeze_startup_heap
 from ..utils import percentile
 
 
@@ -147,6 +149,7 @@ def measure(model: str, batch: int, steps: int, rounds: int, max_tokens: int, nu
     from ..llm import LLM
     from ..server.limits import Limits
     llm = LLM(model, num_blocks=num_blocks, max_num_seqs=max(batch + 16, 64))
+    freeze_startup_heap()                 # as the server does once its model is loaded
     limits = Limits(max_concurrent_per_key=8)
     rows = scenarios(llm.runner.vocab_size, limits)
     runner = Runner(llm, batch, max_tokens)

@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from .auth import KeyRing
 from .fairness import AdmissionGate, OverCapError, Ticket
+from .heap import freeze_startup_heap
 from .limits import STALLED_SCOPE_KEY, ConnectionStats, Limits, check_length, check_request, read_body
 from .metrics import render_client_metrics, render_metrics
 from .protocol import (APIError, Parsed, TokenNames, bad_request, chat_logprobs, completion_logprobs,
@@ -81,6 +82,7 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        freeze_startup_heap()
         if on_startup is not None:
             on_startup()
         yield

@@ -45,7 +45,7 @@ from labkit.utils import Stopwatch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "bindings.cpp"))
-# Measured: python -m labkit kernels on an empty cache, 2 cores (docs/benchmarks.md). Said
+# Measured: python -m labkit kernels on an empty cache, 2 cores (README, "make lab"). Said
 # before compiling, so that a first run is not mistaken for a hang.
 COMPILE_TIME = "about 1 min on 2 idle cores, up to 6 on a busy machine"
 

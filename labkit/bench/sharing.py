@@ -37,6 +37,7 @@ PAPER = {
     ("sharegpt", "beam"): (44.3, 66.3),
 }
 METHODS = ("parallel", "beam")
+RUN_TIME = "about 6 min on 2 cores"   # the default table, measured: python -m labkit.bench sharing
 REAL_PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "Write a haiku about memory.",
@@ -152,10 +153,17 @@ def main(argv: list[str] | None = None) -> int:
         datasets = _names(args.datasets, list(DATASETS), "datasets")
         methods = _names(args.methods, METHODS, "methods")
         widths = _ints(args.widths, "widths")
-        rows = [simulated_saving(d, m, w, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
-                                 block_size=args.block_size, num_blocks=args.num_blocks,
-                                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-                for d in datasets for m in methods for w in widths]
+        cells = [(d, m, w) for d in datasets for m in methods for w in widths]
+        print(f"sharing: {len(cells)} simulations of {args.num_requests} requests ({RUN_TIME} with the "
+              "defaults); a line as each ends", file=sys.stderr, flush=True)
+        rows = []
+        for i, (d, m, w) in enumerate(cells, 1):
+            t0 = time.perf_counter()
+            rows.append(simulated_saving(d, m, w, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
+                                         block_size=args.block_size, num_blocks=args.num_blocks,
+                                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
+            print(f"sharing: [{i}/{len(cells)}] {d} {m} width {w}: {rows[-1]['saving_pct']:.1f}% saved "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     except ValueError as e:
         print(f"sharing: {e}", file=sys.stderr)
         return 2

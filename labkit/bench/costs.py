@@ -51,7 +51,8 @@ class Scenario:
 
 
 def scenarios(vocab: int, limits) -> list[Scenario]:
-    """The rows, at ``limits`` (a ``Limits``): each option alone, then all of them at once."""
+    """The rows, at ``limits`` (a ``Limits``): each option alone, then every per-token
+    option at once (the prompt-side ones are the scoring rows)."""
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
 
@@ -66,7 +67,7 @@ def scenarios(vocab: int, limits) -> list[Scenario]:
     penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
     stop_ids = rng.sample(range(vocab), min(vocab, limits.max_stop_token_ids))
     worst = {"stop": stops(limits.max_stop_strings, limits.max_stop_string_length), "logit_bias": bias,
-             "logprobs": limits.max_logprobs, "prompt_logprobs": limits.max_prompt_logprobs, "stop_token_ids": stop_ids,
+             "logprobs": limits.max_logprobs, "stop_token_ids": stop_ids,
              **sampled, **penalties}
     return [
         Scenario("plain (greedy)"),
@@ -84,7 +85,7 @@ def scenarios(vocab: int, limits) -> list[Scenario]:
                  {"prompt_logprobs": limits.max_prompt_logprobs}, max_tokens=1),
         Scenario("scoring with prompt_logprobs: 20", {"prompt_logprobs": 20}, beyond_limits=True, max_tokens=1),
         Scenario(f"n: {limits.max_concurrent_per_key or 8}", {"n": limits.max_concurrent_per_key or 8}),
-        Scenario(f"all of the above at the limits, n={limits.max_concurrent_per_key or 8}",
+        Scenario(f"every per-token option at its cap, n={limits.max_concurrent_per_key or 8}",
                  {**worst, "n": limits.max_concurrent_per_key or 8}, hold_stops=True),
     ]
 

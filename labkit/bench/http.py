@@ -32,6 +32,7 @@ import secrets
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -236,6 +237,7 @@ class Classroom:
     header_timeout_s: float = 2.0
     timeout_s: float = 300.0              # the whole scenario, per phase
     worst: tuple[str, ...] = ("generate", "score")
+    rounds: int = 1                       # rounds of (students alone, beside each worst request)
 
     def server_args(self, keys_file: str) -> list[str]:
         return ["--api-keys-file", keys_file, "--max-concurrent-per-key", str(self.cap),
@@ -297,7 +299,9 @@ async def _worst(http, url: str, key: str, bodies: dict[str, dict], kind: str, c
     """Keep ``kind``'s worst requests in flight until ``stop``: reading every answer whole,
     sending the next one as soon as it ends (a 429 retried after 10 ms)."""
     body, workers = bodies[kind], (1 if kind == "generate" else c.cap)
-    report = {"kind": kind, "requests": 0, "ok": 0, "tokens": 0, "statuses": {}, "first_error": None}
+    # ok: answers read whole; chunks: streamed chunks read (a long request is in flight,
+    # and served, before it ends)
+    report = {"kind": kind, "requests": 0, "ok": 0, "chunks": 0, "statuses": {}, "first_error": None}
     headers = {"Authorization": f"Bearer {key}"}
 
     async def worker():
@@ -305,11 +309,14 @@ async def _worst(http, url: str, key: str, bodies: dict[str, dict], kind: str, c
             report["requests"] += 1
             try:
                 async with http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
-                    data = await r.aread()
+                    data = b""
+                    async for line in r.aiter_lines():
+                        report["chunks"] += line.startswith("data: {")
+                        if r.status_code != 200 or not body.get("stream"):
+                            data += line.encode()
                 status = str(r.status_code)
                 if r.status_code == 200:
                     report["ok"] += 1
-                    report["tokens"] += data.count(b'"token_ids"') if body.get("stream") else 1
                 elif r.status_code != 429 and report["first_error"] is None:
                     report["first_error"] = f"HTTP {status}: {data[:200]!r}"
             except Exception as e:  # noqa: BLE001 - counted, and the loop goes on
@@ -560,12 +567,17 @@ def run_classroom(url: str, keys: dict[str, str], c: Classroom, seed: int = 0) -
                      max_tokens=c.max_tokens, think_s=0.0, spread_s=0.0)
     asyncio.run(_classroom_phase(url, model, vocab, keys, warm, None, -1))   # warm-up: every batch size
     _wait_idle(url, headers)
-    baseline = asyncio.run(_classroom_phase(url, model, vocab, keys, c, None, seed))
-    _wait_idle(url, headers)
-    worst = {}
-    for kind in c.worst:
-        worst[kind] = asyncio.run(_classroom_phase(url, model, vocab, keys, c, kind, seed, bodies))
+    # Each worst request's phase runs right after a baseline of its own round and is compared
+    # with it: on a shared machine the load drifts between phases minutes apart.
+    rounds = []
+    for r in range(c.rounds):
+        one = {"baseline": asyncio.run(_classroom_phase(url, model, vocab, keys, c, None, seed + r)), "worst": {}}
         _wait_idle(url, headers)
+        for kind in c.worst:
+            one["worst"][kind] = asyncio.run(_classroom_phase(url, model, vocab, keys, c, kind, seed + r, bodies))
+            _wait_idle(url, headers)
+        rounds.append(one)
+    baseline, worst = rounds[0]["baseline"], rounds[0]["worst"]
     with_hog = asyncio.run(_classroom_phase(url, model, vocab, keys, c, "hog", seed))
     m = _wait_idle(url, headers)
     polite_429 = sum(v for k, v in m.items()
@@ -584,15 +596,21 @@ def run_classroom(url: str, keys: dict[str, str], c: Classroom, seed: int = 0) -
         "connections_cut_header_timeout": m['labkit_connections_cut_total{reason="header_timeout"}'],
         "connections_cut_stalled": m['labkit_connections_cut_total{reason="stalled"}'],
     }
-    base = baseline["polite"]["ttft_p99_ms"]
+    def ratio(phase: dict, base: dict) -> float | None:
+        p99, base_p99 = phase["polite"]["ttft_p99_ms"], base["polite"]["ttft_p99_ms"]
+        return p99 / base_p99 if base_p99 and p99 else None
 
-    def ratio(phase: dict) -> float | None:
-        p99 = phase["polite"]["ttft_p99_ms"]
-        return p99 / base if base and p99 else None
-
+    per_round = [{"failed": sum(p["polite"]["num_failed"] for p in [one["baseline"], *one["worst"].values()]),
+                  "baseline_ttft_p99_ms": one["baseline"]["polite"]["ttft_p99_ms"],
+                  **{f"{kind}_ttft_p99_ms": phase["polite"]["ttft_p99_ms"] for kind, phase in one["worst"].items()},
+                  **{f"{kind}_ratio": ratio(phase, one["baseline"]) for kind, phase in one["worst"].items()}}
+                 for one in rounds]
+    medians = {kind: statistics.median(r[f"{kind}_ratio"] for r in per_round if r[f"{kind}_ratio"] is not None)
+               for kind in c.worst if any(r[f"{kind}_ratio"] is not None for r in per_round)}
     return {"model": model, "url": url, "scenario": asdict(c), "load_average": _load_average(),
-            "baseline": baseline, "worst": worst, "with_hog": with_hog, "ttft_p99_ratio": ratio(with_hog),
-            "worst_ttft_p99_ratio": {kind: ratio(phase) for kind, phase in worst.items()}, "server": server}
+            "baseline": baseline, "worst": worst, "rounds": per_round, "with_hog": with_hog,
+            "ttft_p99_ratio": ratio(with_hog, rounds[-1]["baseline"]), "worst_ttft_p99_ratio": medians,
+            "server": server}
 
 
 def _load_average() -> list[float] | None:
@@ -610,8 +628,9 @@ def _classroom_table(r: dict) -> str:
             f"load average {r['load_average']}",
             f"{'phase':<16} {'reqs':>5} {'ok':>4} {'failed':>6} {'time s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
             f"{'TTFT max':>9} {'p99 ratio':>9}  (ms)"]
+    first = r["rounds"][0]
     phases = [("baseline", r["baseline"], None)]
-    phases += [(f"worst {kind}", phase, r["worst_ttft_p99_ratio"][kind]) for kind, phase in r["worst"].items()]
+    phases += [(f"worst {kind}", phase, first[f"{kind}_ratio"]) for kind, phase in r["worst"].items()]
     phases.append(("with the hog", r["with_hog"], r["ttft_p99_ratio"]))
     for name, phase, ratio in phases:
         p = phase["polite"]
@@ -621,10 +640,18 @@ def _classroom_table(r: dict) -> str:
                     f"{'-' if ratio is None else f'{ratio:.2f}x':>9}")
         if p["first_error"]:
             rows.append(f"{'':<17}first failure: {p['first_error']}")
+    for i, one in enumerate(r["rounds"][1:], 2):
+        rows.append(f"round {i}: students alone p99 {one['baseline_ttft_p99_ms']:.0f} ms; " + ", ".join(
+            f"beside worst {kind} {one[f'{kind}_ttft_p99_ms']:.0f} ms ({one[f'{kind}_ratio']:.2f}x)"
+            for kind in r["worst"]))
+    if r["worst_ttft_p99_ratio"]:
+        rows.append("students' TTFT p99 beside the worst requests / alone, median over rounds: " + ", ".join(
+            f"{kind} {x:.2f}x" for kind, x in r["worst_ttft_p99_ratio"].items()))
     for kind, phase in r["worst"].items():
         w = phase["other"] or {}
         rows.append(f"worst {kind} (client side): {w.get('ok', 0)} of {w.get('requests', 0)} requests answered, "
-                    f"{w.get('statuses')}" + (f"; first error {w['first_error']}" if w.get("first_error") else ""))
+                    f"{w.get('chunks', 0)} chunks streamed, {w.get('statuses')}"
+                    + (f"; first error {w['first_error']}" if w.get("first_error") else ""))
     rows.append(f"hog's answers (client side): {r['with_hog']['other']['statuses']}")
     s = r["server"]
     rows.append(f"server: hog 429s {s['hog_429']:.0f}, 413s {s['hog_413']:.0f}, streams cut for stalling "
@@ -649,8 +676,9 @@ def classroom_main(args, c: Classroom) -> int:
             _stop_server(proc)
     print(json.dumps(result, indent=2) if args.json else _classroom_table(result))
     phases = [result["baseline"], result["with_hog"], *result["worst"].values()]
-    ok = (all(p["polite"]["num_failed"] == 0 for p in phases)
-          and all((p["other"] or {}).get("ok", 0) > 0 for p in result["worst"].values())
+    ok = (all(p["polite"]["num_failed"] == 0 for p in phases) and all(r["failed"] == 0 for r in result["rounds"])
+          and all((p["other"] or {}).get("ok", 0) + (p["other"] or {}).get("chunks", 0) > 0
+                  for p in result["worst"].values())
           and result["server"]["pool_whole"] and (result["server"]["hog_429"] > 0 or not c.cap))
     return 0 if ok else 1
 
@@ -675,6 +703,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--students", type=int, default=default.num_keys, help="polite keys (default %(default)s)")
     k.add_argument("--requests-per-student", type=int, default=default.requests_per_key,
                    help="streaming requests per student (default %(default)s)")
+    k.add_argument("--rounds", type=int, default=3,
+                   help="rounds of (students alone, beside each worst request), each compared with its own "
+                        "baseline; the ratios' median is reported (default %(default)s)")
     k.add_argument("--worst", default=",".join(default.worst),
                    help="worst-request phases to run: generate, score, both (default) or none")
     k.add_argument("--cap", type=int, default=default.cap,
@@ -689,8 +720,10 @@ def main(argv: list[str] | None = None) -> int:
         worst = tuple(w.strip() for w in args.worst.split(",") if w.strip() and w.strip() != "none")
         if any(w not in ("generate", "score") for w in worst):
             p.error(f"--worst takes generate, score or none, got {args.worst!r}")
+        if args.rounds < 1:
+            p.error("--rounds must be >= 1")
         return classroom_main(args, Classroom(num_keys=args.students, requests_per_key=args.requests_per_student,
-                                              cap=args.cap, worst=worst))
+                                              cap=args.cap, worst=worst, rounds=args.rounds))
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:

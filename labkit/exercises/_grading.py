@@ -22,7 +22,7 @@ Every grader in ``labkit.exercises`` follows one pattern:
    closer/further, no "one short", no reading of the student's answer through the model
    ("with your value the iteration takes ..."), no which-item-of-a-set-is-wrong. Every wrong
    answer that is not a known mistake gets the same message, so reading hints is no faster
-   than guessing (``tests/test_exercise_rules.py`` searches each answer space to prove it);
+   than guessing (``tests/test_exercises_rules.py`` searches each answer space to show it);
 5. on a right answer, print one line starting with a check mark that restates the result;
 6. answer every input with a hint, never with a traceback of the grader's own: None, a wrong
    type, NaN, a stub that still raises ``NotImplementedError``, a function that returns garbage
@@ -73,6 +73,7 @@ import inspect
 import math
 import numbers
 import re
+import sys
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Callable, Iterable, Mapping, NoReturn, Sequence, TypeVar
@@ -135,7 +136,7 @@ def to_plain(value: object) -> object:
         return [to_plain(v) for v in value]
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
         return {k: to_plain(v) for k, v in value.items()}
-    return {"__object__": type(value).__name__, "repr": shown(value)}
+    return {"__object__": type(value).__name__, "repr": shown(value, 200)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,8 +182,7 @@ def graded(exercise: str, *, plain: Mapping[str, Callable[[object], object]] | N
     def decorate(grader: F) -> F:
         signature = inspect.signature(grader)
 
-        def facts(*args, **kwargs) -> inspect.BoundArguments:
-            bound = signature.bind(*args, **kwargs)
+        def facts(bound: inspect.BoundArguments) -> inspect.BoundArguments:
             for name, value in bound.arguments.items():
                 if name in extractors and not isinstance(value, (Mapping, list)):
                     bound.arguments[name] = extractors[name](value)
@@ -194,18 +194,17 @@ def graded(exercise: str, *, plain: Mapping[str, Callable[[object], object]] | N
         def wrapper(*args, **kwargs):
             __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
             try:
-                bound = facts(*args, **kwargs)
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise AssertionError(f"Exercise {exercise}: {e}; call the grader as the check cell does.") from None
+            try:
+                facts(bound)
                 return grader(*bound.args, **bound.kwargs)
             except AssertionError:
                 raise
             except NotImplementedError:
                 message = (f"Exercise {exercise}: your code still raises NotImplementedError: replace "
                            "the `raise NotImplementedError(...)` line with your solution.")
-            except TypeError as e:
-                if "argument" not in str(e):
-                    message = _could_not_grade(exercise, e)
-                else:
-                    message = f"Exercise {exercise}: {e}; call the grader as the check cell does."
             except Exception as e:       # noqa: BLE001 - any input gets a hint, not a crash
                 message = _could_not_grade(exercise, e)
             raise AssertionError(message) from None
@@ -568,14 +567,16 @@ def judge(name: str, w: Written, expected: float | Sequence[float], *, mistakes:
     fail(f"{name}: {w.text} is not right. {why or hint}".rstrip())
 
 
-def check_exact(name: str, answer: int, expected: int | Sequence[int], *, mistakes: Sequence[Mistake] = (),
-                hint: str = "") -> int:
+def check_exact(name: str, answer: int, expected: int | Sequence[int], *,
+                mistakes: Sequence[Mistake] | Callable[[], Sequence[Mistake]] = (), hint: str = "") -> int:
     """A count: exactly ``expected`` (or one of several acceptable counts); otherwise fail with
-    the matching mistake's hint, else the method ``hint``. A known mistake that lands next to the
+    the matching mistake's hint, else the method ``hint``. ``mistakes`` may be a function that
+    makes the list, called only for a wrong answer (some cost a search). A known mistake that lands next to the
     answer gets the method hint too: naming it would tell the student they are one off."""
     targets = [expected] if isinstance(expected, numbers.Integral) else list(expected)
     if answer in targets:
         return answer
+    mistakes = mistakes() if callable(mistakes) else mistakes
     # A mistake one away from the answer is not told apart: its hint would say "one off".
     hints = list(dict.fromkeys(h for value, h in mistakes
                                if value == answer and all(abs(value - t) > 1 for t in targets)))
@@ -809,7 +810,17 @@ def install_unanswered_hook(shell=None) -> bool:
             return
         answers, others = undefined_names(source, self.user_ns)
         message = unanswered_message(m.group("id"), answers, others)
-        self._showtraceback(NotAnsweredYet, NotAnsweredYet(message), [f"NotAnsweredYet: {message}"])
+        error = NotAnsweredYet(message)
+        # The cell's execution result (in run_code's frame, which called this) records the error the
+        # kernel's reply names: make it this one, as the output shows.
+        frame = sys._getframe(1)
+        while frame is not None:
+            result = frame.f_locals.get("result")
+            if type(result).__name__ == "ExecutionResult":
+                result.error_in_exec = error
+                break
+            frame = frame.f_back
+        self._showtraceback(NotAnsweredYet, error, [f"NotAnsweredYet: {message}"])
 
     # set_custom_exc's own wrapper would show the handler's traceback under the NameError's name;
     # this one shows its message as what it is, and falls back to the usual display otherwise.

@@ -136,7 +136,7 @@ def check_preemption_free_pool(num_blocks: object) -> None:
     if n not in pools:
         fail(f"num_blocks: {n:,} is not one of the pool sizes to consider, ex42_pools() = {pools.start} to "
              f"{pools.stop - 1}.")
-    check_exact("num_blocks", n, ex42_expected(), mistakes=_ex42_mistakes(n),
+    check_exact("num_blocks", n, ex42_expected(), mistakes=lambda: _ex42_mistakes(n),
                 hint="Count the preemptions on every pool size of ex42_pools() (each run takes a few "
                      "hundredths of a second), and find the smallest size s such that no size from s to the end of the "
                      "range preempts.")

@@ -229,7 +229,7 @@ def check_swap_crossover(block_size: object) -> None:
     b = read_count("block_size", block_size)
     if b not in EX3_BLOCK_SIZES:
         fail(f"block_size: {b} is not one of the block sizes to compare ({', '.join(map(str, EX3_BLOCK_SIZES))}).")
-    check_exact("block_size", b, expected, mistakes=_crossover_mistakes(),
+    check_exact("block_size", b, expected, mistakes=_crossover_mistakes,
                 hint="For each block size, time the copies both ways with link.copy_time (how many blocks "
                      "does the sequence hold?) and compare with cm.prefill_time of its tokens.")
     passed(f"Exercise 9.3: from {expected}-token blocks on, swapping ({sig(swap_time(expected) * 1e3)} ms out "

@@ -106,7 +106,7 @@ def check_prefill_doubling(prefill_tokens: object) -> None:
     expected = doubling_expected()
     t0 = decode_alone_time()
     n = read_count("prefill_tokens", prefill_tokens)
-    check_exact("prefill_tokens", n, expected, mistakes=_doubling_mistakes(),
+    check_exact("prefill_tokens", n, expected, mistakes=_doubling_mistakes,
                 hint="Time the iteration of the 32 decodes with an n-token prompt beside them (batch_shape, "
                      "cm.iteration_time) for every n, and compare it with the decode-only iteration.")
     passed(f"Exercise 7.2: a {expected:,}-token prompt turns a {sig(t0 * 1e3)} ms decode iteration into "
@@ -215,7 +215,7 @@ def check_chunk_budget(budget: object) -> None:
     if b <= EX3_BATCH:
         fail(f"budget: {b} tokens leave no room beside the {EX3_BATCH} decodes (which go first); "
              "the prompt would never advance.")
-    check_exact("budget", b, expected, mistakes=_chunk_budget_mistakes(),
+    check_exact("budget", b, expected, mistakes=_chunk_budget_mistakes,
                 hint="For one budget, time every iteration of the chunked prompt (each chunk with the 32 "
                      "decodes, attending to the chunks before it) and keep the slowest; then find the largest "
                      "budget whose slowest iteration is within 20 ms.")
@@ -331,11 +331,10 @@ def check_instance_plan(num_prefill: object, num_decode: object) -> None:
     for name, n in (("num_prefill", n_p), ("num_decode", n_d)):
         if n < 1:
             fail(f"{name}: a disaggregated deployment needs at least one instance in each pool, got {n}.")
-    prefill_mistakes, decode_mistakes = _plan_mistakes(p)
-    check_exact("num_prefill", n_p, plan.num_prefill, mistakes=prefill_mistakes,
+    check_exact("num_prefill", n_p, plan.num_prefill, mistakes=lambda: _plan_mistakes(p)[0],
                 hint="Step 1: with the load split over n instances, each is an M/D/1 queue; find the smallest n "
                      "whose mean TTFT (the prefill time plus the mean wait) meets the SLO.")
-    check_exact("num_decode", n_d, plan.num_decode, mistakes=decode_mistakes,
+    check_exact("num_decode", n_d, plan.num_decode, mistakes=lambda: _plan_mistakes(p)[1],
                 hint="Step 2: the decode batch one instance can run (both limits: the TPOT SLO at the longest "
                      "context, and the KV memory), the tokens per second that batch produces, and the tokens "
                      "per second the pool must produce.")

@@ -16,6 +16,7 @@ not change with what the engine served before.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Mapping
@@ -234,6 +235,7 @@ EX_PREFIX_QUESTION = 50
 EX_PREFIX_BLOCK = 16
 
 
+@functools.lru_cache(maxsize=None)
 def prefix_reuse_expected(system: int = EX_PREFIX_SYSTEM, question: int = EX_PREFIX_QUESTION,
                           block_size: int = EX_PREFIX_BLOCK) -> tuple[int, int]:
     """Serve request A, then B (same system prompt, another question) on a real allocator
@@ -365,15 +367,10 @@ def check_batch_iterations(llm, prompt_lens: list[int], max_tokens: int, predict
     them take (a count)? ``measured_steps``: the change of ``llm.stats()["num_steps"]``.
     The expected count comes from the engine's scheduler settings, simulated."""
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
-    from ..sim import TraceRequest, simulate
     f = _facts(llm)
     lens = [read_count("prompt_lens", n) for n in prompt_lens]
     max_tokens = read_count("max_tokens", max_tokens)
-    trace = [TraceRequest(n, max_tokens) for n in lens]
-    sim = simulate(trace, num_blocks=f["num_total_blocks"], block_size=f["block_size"],
-                   max_num_seqs=f["max_num_seqs"], max_num_batched_tokens=f["max_num_batched_tokens"],
-                   max_model_len=f["max_model_len"], keep_records=False)
-    expected = sim.engine.num_steps           # the same scheduler, with the simulator's executor
+    expected = _iterations(tuple(lens), max_tokens, tuple(sorted(f.items())))
     k = len(lens)
     p = read_count("predicted_steps", predicted_steps)
     check_exact("predicted_steps", p, expected,
@@ -390,6 +387,19 @@ def check_batch_iterations(llm, prompt_lens: list[int], max_tokens: int, predict
     passed(f"{expected} iterations for {k} × {max_tokens} = {k * max_tokens} tokens: the first iteration "
            f"prefills all {k} prompts and samples their first tokens, each later one decodes a token "
            "for every request at once.")
+
+
+@functools.lru_cache(maxsize=64)
+def _iterations(prompt_lens: tuple[int, ...], max_tokens: int, facts: tuple) -> int:
+    """Iterations the engine of ``facts`` takes to serve the prompts together: the same scheduler,
+    with the simulator's executor in place of the model."""
+    from ..sim import TraceRequest, simulate
+    f = dict(facts)
+    sim = simulate([TraceRequest(n, max_tokens) for n in prompt_lens], num_blocks=f["num_total_blocks"],
+                   block_size=f["block_size"], max_num_seqs=f["max_num_seqs"],
+                   max_num_batched_tokens=f["max_num_batched_tokens"], max_model_len=f["max_model_len"],
+                   keep_records=False)
+    return sim.engine.num_steps
 
 
 def answer_forms() -> dict[str, list[str]]:

@@ -25,6 +25,7 @@ EX1_RESERVED = 4096        # slots naive serving reserved for it: the model's ma
 EX1_REQUESTS = 100
 
 
+@functools.lru_cache(maxsize=None)
 def _exercise_1_expected() -> tuple[float, float]:
     one = SeqUsage.request(prompt_len=0, output_len=EX1_GENERATED, max_model_len=EX1_RESERVED)
     return (contiguous_waste([one]).utilization,
@@ -72,6 +73,7 @@ EX2_BLOCK_SIZE = 16
 EX2_TOKENS = 70
 
 
+@functools.lru_cache(maxsize=None)
 def _exercise_2_expected() -> tuple[int, int, float]:
     """Append 70 tokens to a real block table and read its blocks and empty slots."""
     allocator = BlockAllocator(num_blocks=8, block_size=EX2_BLOCK_SIZE)

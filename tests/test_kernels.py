@@ -673,6 +673,35 @@ except RuntimeError as err:
     assert result.stdout.split("\n")[:3] == [auto, "(1, 2, 16)", "refused: True"]
 
 
+def test_the_engine_sets_up_the_interpreter_before_transformers_imports_triton():
+    """Transformers imports torch._dynamo, which imports Triton: Triton's own @jit library
+    (tl.max ...) is then defined compiled, and an interpreted kernel calling it fails. LLM()
+    imports labkit.kernels first; code that imports Triton first gets compiled kernels and
+    a clear refusal of the interpreter, not a crash inside Triton."""
+    if torch.cuda.is_available() or not K.HAS_TRITON:
+        pytest.skip("needs a machine without CUDA, with Triton")
+    code = """
+from labkit import LLM, SamplingParams
+llm = LLM("tiny-llama", attention_backend="triton", num_blocks=8)
+print(len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids))
+"""
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "2"
+    code = """
+import triton.language
+import labkit.kernels as K
+print(not K.triton_is_interpreted())
+try:
+    K.select_attention_backend("triton", "cpu")
+except RuntimeError as err:
+    print("TRITON_INTERPRET=1" in str(err) and "or triton" in str(err))
+"""
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "True"]
+
+
 def test_compiled_kernels_on_cpu_are_refused_with_the_fix():
     """TRITON_INTERPRET=0 at import on a CPU-only machine: kernels compiled for a GPU."""
     if torch.cuda.is_available() or not K.HAS_TRITON:

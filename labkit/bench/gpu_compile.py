@@ -40,6 +40,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -397,12 +398,16 @@ def run_workers(units: list[dict], jobs: int, progress) -> tuple[list[dict], lis
                 errors.append(f"a worker exited with status {proc.returncode}: {''.join(stderr)[-1500:]}")
 
     threads = [threading.Thread(target=work, args=(share,)) for share in shares if share]
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if main else None   # killed: as Ctrl-C
     try:
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    finally:                # interrupted (Ctrl-C): no worker outlives the run
+    finally:                # interrupted or killed: no worker outlives the run
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()

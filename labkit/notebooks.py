@@ -84,11 +84,10 @@ DEFAULT_KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "pytho
 LABKIT_SOURCE = "git+https://github.com/labkit-lab/labkit"
 
 INSTALL_CELL = """\
-# Colab, Kaggle, any runtime without labkit: install it (under `make lab` this does nothing), from
-# $LABKIT_SOURCE when set (your course's labkit wheel: a path or URL), else from the course default.
+#@title Install labkit where it is missing (Colab, Kaggle); under `make lab` this cell does nothing
+# From $LABKIT_SOURCE when set (your course's labkit wheel: a path or URL), else from the default below.
 import importlib.util, os, pathlib, re, sys, urllib.request
-spec = importlib.util.find_spec("labkit")
-if spec is None or spec.origin is None:        # (a cloned folder named labkit is not the package)
+if getattr(importlib.util.find_spec("labkit"), "origin", None) is None:   # (a folder named labkit is not it)
     src = os.environ.get("LABKIT_SOURCE", @SOURCE@)
     src = src if "://" in src else pathlib.Path(src).resolve().as_uri()
     try:                                       # reachable? fail now, not after pip's retries
@@ -105,6 +104,8 @@ if "google.colab" in sys.modules:
     import plotly.io as pio
     pio.renderers.default = "colab"\
 """
+#: Colab shows a cell whose ``cellView`` is ``form`` as its ``#@title`` line alone (the code one click away).
+INSTALL_CELL_METADATA = {"cellView": "form"}
 
 
 def install_cell(source: str = LABKIT_SOURCE) -> str:
@@ -383,7 +384,8 @@ def install_cell_problems(nb, source: str = LABKIT_SOURCE) -> list[str]:
     problems = []
     if code[0] != 1:
         problems.append("the install cell does not come right after the title (python -m labkit.notebooks colab)")
-    if nb.cells[code[0]].source != install_cell(source):
+    cell = nb.cells[code[0]]
+    if cell.source != install_cell(source) or any(cell.metadata.get(k) != v for k, v in INSTALL_CELL_METADATA.items()):
         problems.append("its install cell differs from install_cell() (python -m labkit.notebooks colab, then "
                         "generate)")
     return problems
@@ -404,6 +406,7 @@ def colab(paths: Paths, source: str = LABKIT_SOURCE) -> list[str]:
             cell = nbformat.v4.new_code_cell()
             cell.id = hashlib.sha1(f"{path.stem}/install".encode()).hexdigest()[:8]
         cell.source = install_cell(source)
+        cell.metadata.update(INSTALL_CELL_METADATA)
         title = next((i for i, c in enumerate(nb.cells) if is_title_cell(c)), None)
         if title is not None and title != 0:
             nb.cells.insert(0, nb.cells.pop(title))

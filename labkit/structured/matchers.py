@@ -16,6 +16,7 @@ they are dropped when their request finishes.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,22 @@ import torch
 from .bitmask import allocate_bitmask, apply_bitmask
 from .compiler import GrammarCache
 from .params import StructuredOutputsParams
+
+
+#: From this many rows a batch's bitmask is filled by XGrammar's thread pool (with more than
+#: one thread to spare): below it, or on a machine whose cores the model's own threads keep
+#: busy, one row after another on the engine's thread is faster (a row takes microseconds).
+PARALLEL_FILL_ROWS = 64
+
+
+def default_fill_threads() -> int:
+    """Threads for filling bitmasks: half the cores this process may use (the model's matmuls
+    want the rest), at most 8; 1 on a machine with fewer than 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2)) if cores >= 4 else 1
 
 
 @dataclass(slots=True)
@@ -43,7 +60,8 @@ class GrammarMatchers:
     ``mask_s`` is the time spent filling and applying masks, ``num_masked_rows`` the rows
     masked and ``num_mask_calls`` the batches that had any (``stats()``)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 2):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int | None = None):
+        max_threads = default_fill_threads() if max_threads is None else max_threads
         self.grammars = GrammarCache(tokenizer, vocab_size, stop_token_ids, max_threads=max_threads)
         self.vocab_size = vocab_size
         self._matchers: dict[object, list] = {}   # request -> one matcher per sample index (None: not yet)
@@ -109,11 +127,14 @@ class GrammarMatchers:
             self._bitmask = allocate_bitmask(max(num_rows, 2 * self._bitmask.shape[0]), self.vocab_size)
         bitmask = self._bitmask[:num_rows]
         plain = [r for r in rows if not r.assumed]
-        if plain:
+        if self.max_threads > 1 and len(plain) >= PARALLEL_FILL_ROWS:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher(self.max_threads)
             self._batch.batch_fill_next_token_bitmask([self.matcher(r.request, r.index) for r in plain],
                                                       bitmask, indices=[r.row for r in plain])
+            plain = []
+        for r in plain:
+            self.matcher(r.request, r.index).fill_next_token_bitmask(bitmask, r.row)
         for r in rows:
             if r.assumed:
                 m = self.matcher(r.request, r.index)

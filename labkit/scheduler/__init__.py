@@ -5,7 +5,8 @@ from typing import Iterable
 
 from ..memory import BlockAllocator
 from .records import ScheduledSeq, SchedulerOutput, StepRecord, held_slot_fill, kv_cache_usage
-from .scheduler import PREEMPTION_MODES, Scheduler
+from .checks import PREEMPTION_MODES
+from .scheduler import Scheduler
 from .static import StaticScheduler
 
 POLICIES = ("continuous", "static")

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from ..memory import BlockAllocator
-from ..request import Sequence
+from ..request import Request, Sequence
+
+if TYPE_CHECKING:   # a record is read from the scheduler; the import is for type hints only
+    from .scheduler import Scheduler
 
 
 def kv_cache_usage(allocator: BlockAllocator) -> float:
@@ -40,6 +45,19 @@ class ScheduledSeq:
     # The request's sample indices that get a token after this chunk: () mid-prompt,
     # (seq.index,) usually, (0, .., n-1) when an n > 1 request forks after its prefill.
     sample_indices: tuple[int, ...] = ()
+
+    @classmethod
+    def next_chunk(cls, seq: Sequence, num_new: int) -> ScheduledSeq:
+        """``seq`` computing its next ``num_new`` tokens. Samples: none mid-prompt; one per
+        sample index of the request (0 .. n-1) when an n > 1 request forks after this chunk;
+        else one for the sequence itself."""
+        if seq.num_computed_tokens + num_new < len(seq.token_ids):
+            indices: tuple[int, ...] = ()
+        elif seq.request.forked:
+            indices = (seq.index,)
+        else:
+            indices = tuple(range(seq.request.params.n))
+        return cls(seq, num_new, seq.is_prefill, seq.num_computed_tokens, indices)
 
     @property
     def num_samples(self) -> int:
@@ -117,3 +135,33 @@ class StepRecord:
     # Blocks the sequences holding blocks would hold if nothing were shared: the sum of their
     # block tables' lengths. Blocks saved by sharing = num_logical_blocks - num_used_blocks.
     num_logical_blocks: int = 0
+
+
+def step_record(sched: Scheduler, output: SchedulerOutput, finished: list[Request],
+                time_s: float, duration_s: float) -> StepRecord:
+    """The ``StepRecord`` of the iteration ``output`` planned, read from ``sched`` at its end."""
+    ran, prefill, decode = [], 0, 0
+    for item in output.scheduled:
+        ran.append((item.seq.request.request_id, item.seq.index, item.num_new_tokens, item.phase))
+        if item.is_prefill:
+            prefill += item.num_new_tokens
+        else:
+            decode += item.num_new_tokens
+    alloc = sched.allocator
+    logical = sum(len(s.block_table.block_ids) for s in sched.sequences_holding_blocks() if s.block_table is not None)
+    return StepRecord(
+        step=output.step, time_s=time_s, duration_s=duration_s, ran=ran,
+        num_prefill_tokens=prefill, num_decode_tokens=decode,
+        num_running=len(sched.running), num_waiting=len(sched.waiting),
+        num_used_blocks=alloc.num_used_blocks, num_free_blocks=alloc.num_free_blocks,
+        num_cached_free_blocks=alloc.num_cached_free_blocks,
+        kv_cache_usage=kv_cache_usage(alloc), held_slot_fill=held_slot_fill(alloc),
+        preempted=[s.request.request_id for s in output.preempted],
+        finished=[r.request_id for r in finished],
+        num_cached_tokens=output.num_cached_tokens,
+        num_copies=len(output.copies),
+        swapped_out=[s.request.request_id for s in output.swapped_out],
+        swapped_in=[s.request.request_id for s in output.swapped_in],
+        num_swapped=len(sched.swapped),
+        num_logical_blocks=logical,
+    )

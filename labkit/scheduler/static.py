@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 from typing import Iterable
 
-from ..memory import BlockAllocator, BlockTable
+from ..memory import BlockAllocator, BlockTable, Growth
 from ..request import Request, Sequence
 from ..utils import cdiv
 from .scheduler import Scheduler
@@ -57,7 +57,7 @@ class StaticScheduler(Scheduler):
             raise ValueError(f"request {request.request_id!r}: the static baseline serves n=1 only")
         super().check_request(request)
 
-    def _tokens_to_hold(self, request: Request, longest: int) -> int:
+    def tokens_to_hold(self, request: Request, longest: int) -> int:
         return self.max_model_len if self.reserve == "model" else longest
 
     def fork(self, parent: Sequence) -> Sequence:
@@ -73,7 +73,7 @@ class StaticScheduler(Scheduler):
         return not self.running and not self._held
 
     def _reservation(self, request: Request) -> int:
-        return self._tokens_to_hold(request, self._max_len(request))
+        return self.tokens_to_hold(request, self.max_len(request))
 
     def _promised_blocks(self) -> int:
         """Blocks promised to the beams that admitted beam requests fork into after their
@@ -81,15 +81,17 @@ class StaticScheduler(Scheduler):
         return sum((s.request.width - 1) * cdiv(self._reservation(s.request), self.block_size)
                    for s in self.running if s.request.beam is not None)
 
-    def _admit(self, seq: Sequence, budget: int):
-        reservation = self._reservation(seq.request)
+    def admit(self, seq: Sequence, budget: int) -> int | None:
+        """The whole prompt in one chunk, on a table reserving the request's maximum length
+        (and room for the beams it will fork into), or None."""
+        reservation, tokens = self._reservation(seq.request), seq.token_ids
         need = cdiv(reservation, self.block_size) * seq.request.width
         if need + self._promised_blocks() > self.allocator.num_free_blocks:
             return None
-        table = BlockTable(self.allocator, seq.request.cache_salt)
-        table.reserve(reservation)
+        table = self.new_table(seq)
+        self.blocks.allocate_slots([Growth(table, tokens, num_lookahead_tokens=reservation - len(tokens))])
         seq.block_table = table
-        return len(seq.token_ids), self._grow(seq, len(seq.token_ids))
+        return len(tokens)
 
     def schedule(self, now: float = 0.0):
         plan = super().schedule(now)
@@ -99,10 +101,16 @@ class StaticScheduler(Scheduler):
         self._fork_copies = []
         return plan
 
-    def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
+    def fork_children(self, parent: Sequence, count: int) -> list[Sequence]:
         """A beam fork without sharing: each child reserves its own maximum length and
         gets a copy of every block the parent has filled."""
-        children = super()._make_children(parent, count, self._reservation(parent.request))
+        def copy() -> BlockTable:
+            table = self.new_table(parent)
+            table.reserve(self._reservation(parent.request))
+            table.append_tokens(parent.token_ids[:parent.num_computed_tokens], computed=False)
+            return table
+
+        children = self._make_children(parent, count, copy)
         for child in children:
             filled = cdiv(child.num_computed_tokens, self.block_size)
             self._fork_copies += zip(parent.block_table.block_ids[:filled], child.block_table.block_ids[:filled])

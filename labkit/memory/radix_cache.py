@@ -49,8 +49,10 @@ place instead of gaining a one-block child, so a long decode stays one node.
 
 Salts (vLLM's ``cache_salt``; a server with API keys salts each request with its key): each
 salt has a tree of its own, under a root of its own, and a table walks and publishes only
-in its salt's tree (``BlockTable.salt``). ``root`` is the tree of unsalted requests; a salt's
-root is made when its first block is published and dropped when its last one is evicted.
+in its salt's tree (``BlockTable.salt``). Trees are known by the salt's hash
+(``root_hash``, 128 bits: what the hash cache chains from), so no salt string is kept.
+``root`` is the tree of unsalted requests; a salt's root is made when its first block is
+published and dropped when its last one is evicted.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .prefix_cache import CacheEntry, hash_block, root_hash
+from .prefix_cache import ROOT_HASH, CacheEntry, hash_block, root_hash
 
 if TYPE_CHECKING:   # memory knows its allocator; the import is for type hints only
     from .allocator import BlockAllocator
@@ -82,7 +84,7 @@ class RadixNode:
     hit_count: int = 0
     last_access: int = 0
     id: int = 0                 # creation order: a stable name, and the LRU's tie-break
-    salt: str | None = None     # a root's namespace (vLLM's cache_salt); None on other nodes
+    root_hash: int = ROOT_HASH  # a root's namespace: its salt's hash (prefix_cache.root_hash)
 
     @property
     def is_leaf(self) -> bool:
@@ -109,7 +111,7 @@ class RadixTree:
         self._refs = allocator._ref_counts          # shared list: the allocator's counts
         self.block_size = allocator.block_size
         self.root = RadixNode((), [], None)
-        self._roots: dict[str | None, RadixNode] = {None: self.root}   # one tree per salt
+        self._roots: dict[int, RadixNode] = {ROOT_HASH: self.root}     # one tree per salt, by its hash
         self._node_of: dict[int, RadixNode] = {}     # block id -> the node holding it
         self._num_unreferenced = 0                   # cached blocks with reference count 0
         # (last_access, id, push number, leaf): candidate victims, stale entries skipped on pop.
@@ -167,7 +169,7 @@ class RadixTree:
         top = node
         while top.parent is not None:
             top = top.parent
-        parent = root_hash(top.salt)
+        parent = top.root_hash
         for start in range(0, end - bs, bs):
             parent = hash_block(parent, path[start:start + bs])
         block = tuple(path[end - bs:end])
@@ -225,9 +227,10 @@ class RadixTree:
             return
         self._clock += 1
         tokens, ids, alloc = table.token_ids, table.block_ids, self._alloc
-        node, i = self._roots.get(table.salt), 0
+        key = root_hash(table.salt)
+        node, i = self._roots.get(key), 0
         if node is None:                           # the salt's first block: its tree begins
-            node = self._roots[table.salt] = RadixNode((), [], None, id=self._new_id(), salt=table.salt)
+            node = self._roots[key] = RadixNode((), [], None, id=self._new_id(), root_hash=key)
         while i < upto:
             child = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
             if child is None:
@@ -308,7 +311,7 @@ class RadixTree:
             del parent.children[key]
             node.parent = None
             if parent.parent is None and parent is not self.root and not parent.children:
-                del self._roots[parent.salt]       # the salt's last cached block is gone
+                del self._roots[parent.root_hash]  # the salt's last cached block is gone
             self._push_if_evictable(parent)
         return block_id
 
@@ -327,9 +330,9 @@ class RadixTree:
     def check(self) -> None:
         """Assert the tree's invariants against the allocator's counts (tests call it)."""
         bs, seen, unreferenced = self.block_size, {}, 0
-        for salt, root in self._roots.items():
-            assert root.parent is None and root.salt == salt, f"{root} is not the root of salt {salt!r}"
-            assert root is self.root or root.children, f"the tree of salt {salt!r} is empty but kept"
+        for key, root in self._roots.items():
+            assert root.parent is None and root.root_hash == key, f"{root} is not the root of salt hash {key}"
+            assert root is self.root or root.children, f"the tree of salt hash {key} is empty but kept"
         for node in self.nodes():
             if node.parent is None:
                 assert not node.block_ids and not node.token_ids
@@ -363,7 +366,7 @@ class RadixTree:
         bs = self.block_size
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
         limit -= limit % bs
-        path, node, pos = [], self._roots.get(salt), 0
+        path, node, pos = [], self._roots.get(root_hash(salt)), 0
         while node is not None and pos < limit:
             child = node.children.get(tuple(token_ids[pos:pos + bs]))
             if child is None:

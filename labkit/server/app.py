@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -264,10 +265,12 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         """The request's prefix-cache namespace. With keys (unless the operator shares the
         cache), its key's name: a prompt is then found in the cache only by requests of the
         same key, so no student can test, by the cached-token count or the time to first
-        token, whether another sent it. A request's own ``cache_salt`` narrows it further."""
+        token, whether another sent it. A request's own ``cache_salt`` narrows it further;
+        the engine gets its digest, a fixed 64 characters however long the salt sent."""
+        digest = None if asked is None else hashlib.sha256(asked.encode("utf-8")).hexdigest()
         if not keys or limits.share_prefix_cache:
-            return asked
-        return f"key:{client}" + ("" if asked is None else f"\x00{asked}")
+            return digest
+        return f"key:{client}" + ("" if digest is None else f"/{digest}")
 
     async def _tokenize(prompt, chat: bool) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids: chat messages through the model's template,

@@ -20,8 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_bf16 import _logits_along   # logits after a prompt and after each decode step
+from test_model import hf_greedy       # Transformers' greedy tokens, past EOS
+
 from labkit import LLM, SamplingParams
-from labkit.model import ModelRunner, SeqChunk, load_model
+from labkit.bench.gpu_check import common_prefix
+from labkit.model import ModelRunner, load_model
 
 REL_MAX, REL_MEAN = 0.01, 0.002
 BACKENDS = ["torch", "cpu", "triton"]
@@ -38,15 +42,6 @@ def _backend_or_skip(backend: str) -> None:
 @pytest.fixture(scope="module")
 def tiny():
     return {dtype: load_model("tiny-llama", dtype=dtype) for dtype in (torch.float32, torch.float16)}
-
-
-def _logits_along(runner: ModelRunner, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Logits after the prompt (one prefill) and after each of ``tokens`` (decode steps)."""
-    blocks = list(range(-(-(len(prompt) + len(tokens)) // runner.block_size)))
-    rows = [runner.execute([SeqChunk(prompt, 0, blocks)])[0]]
-    for i, t in enumerate(tokens):
-        rows.append(runner.execute([SeqChunk([t], len(prompt) + i, blocks)])[0])
-    return torch.stack(rows)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -85,21 +80,6 @@ def test_fp16_engine_serves_and_frees_every_block(backend):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def _hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_fp16_greedy_agrees_with_transformers_fp16(tiny, backend):
     """The engine in fp16 against Transformers in fp16, on mixed-length batched requests.
@@ -111,7 +91,7 @@ def test_fp16_greedy_agrees_with_transformers_fp16(tiny, backend):
     llm = LLM("tiny-llama", dtype="float16", attention_backend=backend, num_blocks=64, block_size=4)
     ours = [o.outputs[0].token_ids for o in llm.generate(
         prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)]
-    agree = [_common_prefix(o, _hf_greedy(hf, p, 24)) for p, o in zip(prompts, ours)]
+    agree = [common_prefix(o, hf_greedy(hf, p, 24)) for p, o in zip(prompts, ours)]
     assert min(agree) >= 8 and sum(agree) >= 0.9 * 24 * len(prompts), agree
 
 
@@ -131,5 +111,5 @@ def test_smollm2_fp16_greedy_agrees_with_transformers_fp16():
     llm = LLM("smollm2-135m", dtype="float16", attention_backend="torch", num_blocks=64)
     ours = [o.outputs[0].token_ids for o in llm.generate(
         prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)]
-    agree = [_common_prefix(o, _hf_greedy(hf, p, 24)) for p, o in zip(prompts, ours)]
+    agree = [common_prefix(o, hf_greedy(hf, p, 24)) for p, o in zip(prompts, ours)]
     assert min(agree) >= 8, agree

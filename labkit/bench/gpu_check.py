@@ -193,12 +193,15 @@ def equality_step(timeout: float) -> StepResult:
     return StepResult("equality", "passed" if ok else "failed", took, summary, figures)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens before the first difference of two outputs."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> tuple[int, float]:
     """(outputs equal token for token, share of all tokens before each pair's first difference)."""
-    def prefix(a: list[int], b: list[int]) -> int:
-        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     total = sum(len(b) for b in theirs)
-    return sum(a == b for a, b in zip(ours, theirs)), sum(map(prefix, ours, theirs)) / max(1, total)
+    return sum(a == b for a, b in zip(ours, theirs)), sum(map(common_prefix, ours, theirs)) / max(1, total)
 
 
 def run_equality(out: str, model: str = "smollm2-135m", device: str = "cuda", backend: str = "triton",

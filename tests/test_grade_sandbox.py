@@ -179,6 +179,7 @@ except OSError:
 def test_scratch_space_and_memory_are_capped(box, tmp_path):
     code = """
 import errno, os
+print("MEMINFO", open("/proc/meminfo").read().split("MemAvailable:")[1].split()[0])
 written = 0
 try:
     with open(os.path.join(os.environ["HOME"], "fill"), "wb") as f:
@@ -198,6 +199,7 @@ except MemoryError:
     assert done.returncode == 0, done.stderr
     assert "FULL True" in done.stdout and int(done.stdout.split("FULL True ")[1].split()[0]) <= LIMITS.scratch_mb
     assert "NO MEMORY" in done.stdout, done.stdout
+    assert f"MEMINFO {LIMITS.memory_mb * 1024}" in done.stdout, done.stdout   # what the engine sizes its cache by
 
 
 # ---- the guard: what adds up over a sandbox's processes --------------------------------------------

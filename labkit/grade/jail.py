@@ -8,7 +8,7 @@ runs it builds what the kernel will see, the way bubblewrap does:
 
 1. a new root on a small tmpfs, holding read-only binds of the host paths the spec names
    (the system, Python, labkit, the model cache), empty tmpfs over the paths it masks, a
-   private ``/proc``, a minimal ``/dev``, size-capped tmpfs for ``/tmp`` and the home folder,
+   private ``/proc`` (its ``meminfo`` showing the sandbox's memory limit), a minimal ``/dev``, size-capped tmpfs for ``/tmp`` and the home folder,
    and the one read-write bind of the kernel's connection folder;
 2. ``pivot_root`` into it, the host's tree detached;
 3. loopback up (the lab's own servers listen there), no other interface;
@@ -123,6 +123,8 @@ def build_root(spec: dict) -> None:
         os.symlink(target, inside(f"/dev/{name}"))
     os.makedirs(inside("/proc"), exist_ok=True)
     mount("proc", inside("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if spec.get("meminfo"):
+        bind(spec["meminfo"], inside("/proc/meminfo"), readonly=True)
     mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)   # the skeleton itself
     os.chdir(root)
     # pivot_root(".", "."): the host's root ends up stacked on the new one, and is detached

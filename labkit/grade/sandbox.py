@@ -18,8 +18,9 @@ packages, labkit's own two package folders, the model cache, all read-only; noth
 checkout beyond the package (no ``solutions/``, no ``.git``), no other submission, no other
 kernel's files, not the grader's home; a home folder and ``/tmp`` of its own, in memory and
 size-capped; its own ``/proc`` (only its own processes) and a minimal ``/dev``; no network but
-loopback; its connection folder (the Jupyter sockets) read-write. Its environment is an
-allowlist (no API key of the instructor's reaches it).
+loopback; its connection folder (the Jupyter sockets) read-write; a ``/proc/meminfo`` that
+shows its memory limit as the machine's memory. Its environment is an allowlist (no API key of
+the instructor's reaches it).
 
 Where the grader runs as root, each parallel job's kernels run as their own unprivileged uid
 (``UID_BASE + job``): files the host protects from users stay protected, and the per-user
@@ -211,9 +212,12 @@ class Sandbox:
         wants to write beside them; a read-only copy would be rebuilt, for half a minute)."""
         if self.plan.extension is None or self.kind == "none":
             return argv
-        script = ('mkdir -p "$TORCH_EXTENSIONS_DIR" && cp -a "$1"/. "$TORCH_EXTENSIONS_DIR"/ 2>/dev/null; '
-                  'shift; exec "$@"')
-        return ["/bin/sh", "-c", script, "sh", EXTENSION_INSIDE, *argv]
+        script = 'mkdir -p "$TORCH_EXTENSIONS_DIR" && cp -a "$1" "$TORCH_EXTENSIONS_DIR"/ 2>/dev/null; shift; exec "$@"'
+        return ["/bin/sh", "-c", script, "sh", self._extension_inside(), *argv]
+
+    def _extension_inside(self) -> str:
+        """Where the build folder is shown: under its own name, which torch's loader looks for."""
+        return f"{EXTENSION_INSIDE}/{os.path.basename(self.plan.extension)}"
 
     def _bwrap(self, argv: list[str], conn: str, env: dict[str, str]) -> list[str]:
         cmd = [_tool("bwrap"), "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns",
@@ -227,9 +231,10 @@ class Sandbox:
         for path in self.plan.masked:
             cmd += ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
         if self.plan.extension:
-            cmd += ["--ro-bind", self.plan.extension, EXTENSION_INSIDE]
+            cmd += ["--ro-bind", self.plan.extension, self._extension_inside()]
         size = str(self.limits.scratch_mb << 20)
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
+        cmd += ["--proc", "/proc", "--ro-bind", str(Path(conn).parent / "meminfo"), "/proc/meminfo",
+                "--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
                 "--size", size, "--tmpfs", HOME, "--dir", WORK, "--size", size, "--tmpfs", "/dev/shm",
                 "--bind", conn, conn, "--chdir", WORK, "--"]
         return cmd + argv
@@ -239,7 +244,8 @@ class Sandbox:
                 "symlinks": [list(s) for s in self.plan.symlinks], "masked": list(self.plan.masked),
                 "tmpfs": [["/tmp", self.limits.scratch_mb, "1777"], [HOME, self.limits.scratch_mb, "0755"]],
                 "writable": [conn], "shm_mb": self.limits.scratch_mb, "cwd": WORK, "env": env,
-                "readonly_at": [[self.plan.extension, EXTENSION_INSIDE]] if self.plan.extension else []}
+                "meminfo": str(workdir / "meminfo"),
+                "readonly_at": [[self.plan.extension, self._extension_inside()]] if self.plan.extension else []}
         (workdir / "root").mkdir(exist_ok=True)
         path = workdir / "jail.json"
         path.write_text(json.dumps(spec), encoding="utf-8")
@@ -250,12 +256,32 @@ class Sandbox:
                 "--fork", "--kill-child", "--", sys.executable, "-I", jail, str(path), "--", *argv]
 
     def prepare(self, workdir: Path, job: int = 0) -> None:
-        """Make ``workdir`` usable by the job's uid (its connection folder its own)."""
+        """Make ``workdir`` usable by the job's uid (its connection folder its own), and write the
+        ``/proc/meminfo`` the sandbox shows: the machine's, with its memory no larger than the
+        limit (the engine sizes its KV cache from what is free: a sandbox must size it from its own)."""
         (workdir / "conn").mkdir(mode=0o700, exist_ok=True)
+        (workdir / "meminfo").write_text(meminfo(self.limits.memory_mb), encoding="ascii")
         uid = self.uid(job)
         if uid is not None:
             os.chmod(workdir, 0o711)
             os.chown(workdir / "conn", uid, uid)
+
+
+def meminfo(limit_mb: int, text: str | None = None) -> str:
+    """``/proc/meminfo`` (``text``, else this machine's) with its total, free and available memory
+    each at most ``limit_mb``."""
+    if text is None:
+        try:
+            text = Path("/proc/meminfo").read_text(encoding="ascii")
+        except OSError:
+            text = ""
+    lines = []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("MemTotal", "MemFree", "MemAvailable") and value.split():
+            line = f"{key}:{min(int(value.split()[0]), limit_mb * 1024):>16} kB"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def _tool(name: str) -> str:

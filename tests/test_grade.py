@@ -44,6 +44,7 @@ from labkit.grade.integrity import forbidden  # noqa: E402
 from labkit.grade.judge import PASS as JUDGED_PASS  # noqa: E402
 from labkit.grade.judge import UNANSWERED, form, judge  # noqa: E402
 from labkit.grade.notebook import Distributed, _verdicts, prepare  # noqa: E402
+from labkit.grade.probe import IN_KERNEL  # noqa: E402
 from labkit.grade.report import row_line, summary_text  # noqa: E402
 from labkit.notebooks import (Paths, exercise_id, is_check_cell, is_stub_cell, match_check_cells,  # noqa: E402
                               read)
@@ -304,7 +305,14 @@ def test_every_check_cell_names_one_grader_that_can_judge_outside_the_kernel(not
     for check in lab.checks:
         grader = check.function()
         assert grader.__name__ == check.grader.split(":")[1]
-        assert form(grader) in ("plain", "ran"), f"{check.exercise}: {check.grader} is judged in the kernel"
+        if check.grader in IN_KERNEL:                   # each one named, with the reason, in probe.py
+            assert form(grader) == "verdict"
+        else:
+            assert form(grader) in ("plain", "ran"), f"{check.exercise}: {check.grader} is judged in the kernel"
+
+
+def test_graders_judged_in_the_kernel_are_few_and_named():
+    assert IN_KERNEL == {"labkit.exercises.serving:check_joins"}
 
 
 # ---- flags: what reaches the grading machinery, and no false alarm ---------------------------------------
@@ -361,12 +369,19 @@ def test_honest_code_raises_no_flag():
              (1, "import inspect\nfrom labkit.exercises.bughunt import naive\nprint(inspect.getsource(naive.BlockManager))"),
              (2, "import time, threading, math, os\nt = time.perf_counter()\nos.environ.get('HOME')\nos.getcwd()"),
              (3, '"""A docstring that mentions labkit.exercises and the solutions of builtins."""\nx = 1'),
-             (4, "%time x = sum(range(10))\n!nvidia-smi\n!pip list\n%pip install plotly")]
-    distributed = ["from labkit.exercises.bughunt import naive, paged, time_allocations"]
+             (4, "%time x = sum(range(10))\n!nvidia-smi\n!pip list\n%pip install plotly"),
+             (5, "import plotly.io as pio\npio.renderers.default = 'notebook'\nimport torch\n"
+                 "torch.backends.cudnn.benchmark = True"),
+             (6, "%pip install -q labkit\nimport importlib.util, sys\nif 'google.colab' in sys.modules:\n    pass")]
+    distributed = ["%pip install labkit\nimport importlib.util, sys\nif 'google.colab' in sys.modules:\n    import plotly.io",
+                   "from labkit.exercises.bughunt import naive, paged, time_allocations"]
     assert forbidden(cells, distributed, {"check_exercise_2"}) == []
+    assert [u.text() for u in forbidden([(0, "import sys\nsys.modules.clear()")], distributed)] == [
+        "cell 1 uses sys.modules"]                     # outside an install cell: flagged
 
 
-@pytest.mark.parametrize("solution", PATHS.solution_files(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("solution", [p for p in PATHS.solution_files() if (PATHS.notebooks / p.name).exists()],
+                         ids=lambda p: p.stem)
 def test_a_solved_notebook_handed_in_as_is_raises_no_flag(solution):
     """No false alarms: every chapter's solution, as a submission, keeps its check cells and does
     nothing the static reading flags."""

@@ -16,8 +16,10 @@ cell (the lab's own cells, unchanged, are not read):
   ``ctypes``, ``exec``/``eval``/``compile``;
 * **processes and signals**: ``os.kill``, ``fork``, ``setsid``, ``subprocess``, ``signal``,
   shell commands (``!cmd``) other than a few that only look;
-* **replacing a module's attribute** (``grader.check_x = ...``, ``setattr(module, ...)``) and
-  defining a function named like one of the lab's graders;
+* **replacing an attribute of a module on the grading path** (``grader.check_x = ...``,
+  ``setattr(module, ...)``; labkit, ``builtins``, ``sys``, IPython, ... but not a library's
+  settings such as ``plotly.io.renderers.default``) and defining a function named like one of
+  the lab's graders;
 * **strings naming any of these** (``getattr(builtins, "__import__")``) or the solutions (a
   string of one word or path: prose in a docstring is not read).
 
@@ -104,6 +106,16 @@ def _in(package: str, module: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+#: Modules whose attributes a student replacing is flagged (``plotly.io.renderers.default = ...``
+#: and other settings are not): the grading path's.
+GUARDED = ("labkit", "builtins", "sys", "os", "json", "importlib", "IPython", "ipykernel", "jupyter_client",
+           "zmq", "types", "inspect")
+
+
+def _guarded(module: str) -> bool:
+    return any(_in(g, module) for g in GUARDED)
+
+
 def _shell(node: ast.Call) -> str | None:
     """The command of ``get_ipython().system(...)``/``getoutput``/a shell cell magic, else None."""
     func = node.func
@@ -176,7 +188,7 @@ class _Reader(ast.NodeVisitor):
                 self.add(full, "refers to")
         if not isinstance(node.ctx, ast.Load) and isinstance(node.value, (ast.Name, ast.Attribute)):
             base = _dotted(node.value)
-            if base and base.split(".")[0] in self.aliases:
+            if base and base.split(".")[0] in self.aliases and _guarded(self._resolve(base)):
                 self.add(f"{self._resolve(base)}.{node.attr}", "replaces")
         self.generic_visit(node)
 
@@ -258,11 +270,15 @@ def allowed(use: Use, distributed: set[tuple[str, str]]) -> bool:
 def forbidden(cells: list[tuple[int, str]], distributed_cells: list[str], graders: set[str] = frozenset()) -> list[Use]:
     """The uses in ``cells`` ((position, source) of a submission's code cells, check cells
     excluded) that break the rules, given the distributed notebook's own code cells. A cell
-    that is one of the distributed cells unchanged is not read (the install cell may look at
-    ``sys.modules``; a student's cell that does is flagged)."""
+    that is one of the distributed cells unchanged is not read; an install cell (another
+    version of it, say) may do what the distributed install cell does (look at
+    ``sys.modules``), a student's other cells may not."""
     from ..notebooks import _normalized, is_install_cell
+    install = (lambda src: is_install_cell({"cell_type": "code", "source": src}))
     theirs = {_normalized(src) for src in distributed_cells}
-    reached = {(u.how, u.what) for k, src in enumerate(distributed_cells)
-               if not is_install_cell({"cell_type": "code", "source": src}) for u in uses(src, k, graders)}
+    reached = {(u.how, u.what) for k, src in enumerate(distributed_cells) if not install(src)
+               for u in uses(src, k, graders)}
+    installing = reached | {(u.how, u.what) for k, src in enumerate(distributed_cells) if install(src)
+                            for u in uses(src, k, graders)}
     return [u for index, src in cells if _normalized(src) not in theirs
-            for u in uses(src, index, graders) if not allowed(u, reached)]
+            for u in uses(src, index, graders) if not allowed(u, installing if install(src) else reached)]

@@ -44,7 +44,9 @@ MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT = 38, 24, 28, 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 SECBIT_ALL_LOCKED_NOROOT = 0x2F      # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS_LOCKED and their locks
-SYS_PIVOT_ROOT, SYS_CAPSET = 155, 126     # x86_64
+#: (pivot_root, capset) syscall numbers: libc wraps neither everywhere.
+SYSCALLS = {"x86_64": (155, 126), "aarch64": (41, 91), "riscv64": (41, 91)}   # elsewhere: bwrap, or none
+SYS_PIVOT_ROOT, SYS_CAPSET = SYSCALLS.get(os.uname().machine, (None, None))
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 #: statvfs flags of a bind's source that a remount must keep (the kernel locks them).
 KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
@@ -179,6 +181,9 @@ def main(args: list[str]) -> int:
     if len(args) < 3 or args[1] != "--":
         print("usage: jail.py SPEC.json -- ARGV...", file=sys.stderr)
         return 2
+    if SYS_PIVOT_ROOT is None:
+        print(f"labkit sandbox (unshare): no syscall table for {os.uname().machine}", file=sys.stderr)
+        return 125
     with open(args[0], encoding="utf-8") as f:
         spec = json.load(f)
     try:

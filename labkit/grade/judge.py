@@ -9,7 +9,7 @@ kernel ran. A student's code can change what its kernel hands in, never how it i
 * a code answer (``ran``: what the student's function or test did on the grader's inputs)
   goes to the grader's ``judge``;
 * a ready verdict (``verdict``) is accepted only for a grader that can take neither form yet
-  (``IN_KERNEL``), and never for one that can: a kernel cannot choose to be trusted.
+  (``probe.IN_KERNEL``), and never for one that can: a kernel cannot choose to be trusted.
 
 Anything else (no answer, two answers, malformed data, an answer for another exercise) fails
 the exercise, and says why.
@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .checks import Check
+from .probe import IN_KERNEL
 
 PASS, FAIL, UNANSWERED = "pass", "fail", "unanswered"
 MAX_BYTES = 4 << 20
@@ -42,8 +43,9 @@ class Verdict:
 
 def form(grader) -> str:
     """How ``grader`` (as imported here) takes its answers: "ran", "plain", or "verdict"
-    (IN-KERNEL: a grader that still needs a live object; issue 27 gives every grader the
-    plain form, and then none is left here)."""
+    (judged in the kernel: a grader without either form, or one of ``probe.IN_KERNEL``)."""
+    if f"{grader.__module__}:{grader.__name__}" in IN_KERNEL:
+        return "verdict"
     if callable(getattr(grader, "probe", None)) and callable(getattr(grader, "judge", None)):
         return "ran"
     if callable(getattr(grader, "plain_arguments", None)):

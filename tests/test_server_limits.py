@@ -67,6 +67,16 @@ def radix_server():
         yield s
 
 
+@pytest.fixture(autouse=True)
+def every_block_free_after(request):
+    """After each test, whatever it did: the servers it used return to idle, every block free."""
+    yield
+    used = [name for name in ("server", "radix_server") if name in request.fixturenames]
+    assert used or request.node.name.startswith("test_an_instructor"), "a test here without a server"
+    for name in used:
+        assert_idle(request.getfixturevalue(name))
+
+
 def post(s, body: dict, who: str = "alice", path: str = "/completions") -> httpx.Response:
     return httpx.post(s.base_url + path, json=body, headers=auth(who), timeout=TIMEOUT)
 

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 import labkit
 from labkit.grade import sandbox as sb
 from labkit.grade.guard import Guard
-from labkit.grade.sandbox import Limits, Sandbox, detect, kernel_env, make_plan
+from labkit.grade.sandbox import Limits, Plan, Sandbox, detect, kernel_env, make_plan
 
 pytestmark = pytest.mark.slow         # each kind is tried for real first (a few seconds each)
 
@@ -281,3 +282,47 @@ def test_a_class_graded_without_a_sandbox_says_so_everywhere(tmp_path, capsys):
     assert "WARNING: NO SANDBOX" in said.err and "WARNING: NO SANDBOX" in said.out
     (row,) = list(csv.DictReader(out.open()))
     assert (row["student"], row["points"], row["sandbox"]) == ("alice", "10", "none")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="only a grader running as root drops uids")
+@pytest.mark.parametrize("kind", ["bwrap", "unshare"])
+def test_a_grader_running_as_root_runs_each_job_as_its_own_uid(kind, request):
+    """As root, job k's sandboxes run as uid 1900000000 + k: its connection folder is its own
+    (and reachable through the class's folder), other jobs' folders are out of sight. (A plan of
+    the system alone: this machine's Python may sit where no other uid can read it.)"""
+    plan = Plan(tuple(p for p in ("/usr", "/etc") if os.path.isdir(p)),
+                tuple((os.readlink(p), p) for p in ("/bin", "/sbin", "/lib", "/lib64") if os.path.islink(p)))
+    box = Sandbox(kind, plan, LIMITS, drop_uid=True)
+    if shutil.which(kind) is None or shutil.which("setpriv") is None:
+        pytest.skip(f"{kind} or setpriv not installed")
+    if kind == "unshare" and not _reachable_by_anyone(sys.executable):
+        pytest.skip(f"the jail runs {sys.executable}, which other users cannot reach here")
+    room = Path(tempfile.mkdtemp(prefix="labkit-uid-test-"))  # in /tmp, as grade_class's own folder
+    os.chmod(room, 0o711)                                     # as grade_class does
+    request.addfinalizer(lambda: shutil.rmtree(room, ignore_errors=True))
+    mine, other = room / "1-mine", room / "0-other"
+    for folder, job in ((mine, 1), (other, 0)):
+        folder.mkdir()
+        box.prepare(folder, job)
+    probe = (f'id -u; touch "{mine}/conn/ok" && echo WROTE; ls "{room}" 2>&1 | head -1; '
+             f'ls "{other}/conn" >/dev/null 2>&1 && echo SEES-OTHER; head -1 /proc/meminfo')
+    env = {"PATH": "/usr/bin:/bin", "HOME": sb.HOME}
+    try:
+        cmd = box.command(["/bin/sh", "-c", probe], mine, env, job=1)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=mine)
+    except OSError as e:
+        pytest.skip(f"{kind} cannot start as another uid here: {e}")
+    if done.returncode != 0 and "Operation not permitted" in done.stderr:
+        pytest.skip(f"{kind} cannot start as another uid here: {done.stderr.strip()[:200]}")
+    lines = done.stdout.split("\n")
+    assert lines[0] in ("1000", "0"), done.stdout + done.stderr        # the uid inside its user namespace
+    assert "WROTE" in done.stdout and "SEES-OTHER" not in done.stdout, done.stdout + done.stderr
+    assert "0-other" not in done.stdout, done.stdout          # the class's folder shows its own job only
+    assert (mine / "conn" / "ok").stat().st_uid == sb.UID_BASE + 1
+    assert f"{LIMITS.memory_mb * 1024} kB" in done.stdout
+
+
+def _reachable_by_anyone(path: str) -> bool:
+    """Whether a user with no rights of its own can run ``path`` (every folder above it open)."""
+    real = Path(os.path.realpath(path))
+    return all(p.stat().st_mode & 0o001 for p in real.parents) and bool(real.stat().st_mode & 0o001)

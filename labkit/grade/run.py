@@ -16,6 +16,7 @@ fingerprint is taken again: a change (impossible from a sandbox) is reported lou
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 import shutil
 import sys
@@ -109,6 +110,8 @@ def grade_class(submissions: Path, *, root: Path | None = None, jobs: int = 1, t
     import labkit
     box, tried = detect(sandbox, plan=make_plan(hidden, extension, paths.root), limits=limits,
                         forbidden=[str(paths.solutions), str(submissions)], readonly=labkit.__path__[0])
+    if box.drop_uid:
+        os.chmod(workroot, 0o711)                  # the jobs' uids reach their own folders in it, and list none
     if on_sandbox:
         on_sandbox(box, tried)
     before = fingerprint(installation(paths))

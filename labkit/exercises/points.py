@@ -56,6 +56,10 @@ POINTS: dict[str, int] = {
     # 10 prefix caching: hash blocks vs a radix tree
     "10.1": 2,  # tokens a chat's second turn reuses under three caches
     "10.2": 2,  # the radix tree's next three eviction victims
+    # 12 structured outputs
+    "12.1": 2,  # the tokens a grammar allows next over a toy vocabulary, after three texts
+    "12.2": 3,  # a token walked through an automaton
+    "12.3": 2,  # a jump-forward step on the block table: blocks during and after, tokens gained
 }
 
 

@@ -31,8 +31,7 @@ on the room's network. Without a key, an address other than loopback is refused.
 # The per-request limits' defaults, written out so that --help imports nothing heavy;
 # tests/test_classroom.py checks them against labkit.server.limits.Limits().
 SERVE_DEFAULTS = {"max_stop_strings": 32, "max_stop_string_length": 128, "max_stop_token_ids": 64,
-                  "max_logit_bias": 300, "max_logprobs": 20, "max_prompt_logprobs": 5,
-                  "keep_alive_timeout_s": 5.0}
+                  "max_logit_bias": 300, "max_logprobs": 20, "keep_alive_timeout_s": 5.0}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one iteration")
     e.add_argument("--max-model-len", type=int, default=None, help="most tokens per sequence (prompt + output)")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    e.add_argument("--no-jump-forward", action="store_true",
+                   help="decode the tokens a structured output's grammar forces one step each (same output, slower)")
     e.add_argument("--attention-backend", default="auto", choices=BACKENDS,
                    help="auto (default): Triton on a GPU of compute capability 7.5+, the CPU kernels on a CPU")
     e.add_argument("--dtype", default="auto",
@@ -109,9 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--max-logprobs", type=int, default=SERVE_DEFAULTS["max_logprobs"], metavar="K",
                    help="most alternatives per generated token in logprobs and top_logprobs (vLLM's option; "
                         "default %(default)s)")
-    r.add_argument("--max-prompt-logprobs", type=int, default=SERVE_DEFAULTS["max_prompt_logprobs"], metavar="K",
-                   help="most alternatives per prompt token: prompt_logprobs, and logprobs with echo (default "
-                        "%(default)s, OpenAI's cap on completions' logprobs)")
+    r.add_argument("--max-prompt-logprobs", type=int, default=None, metavar="K",
+                   help="most alternatives per prompt token: prompt_logprobs, and logprobs with echo. Default: 1 "
+                        "(enough to score a text) when keys are set or the host is not loopback, else 20")
     a.add_argument("--share-prefix-cache", action="store_true",
                    help="with keys, let every key's requests reuse the others' cached prompts (faster for a "
                         "shared system prompt; a student can then tell, by cached_tokens or speed, whether "
@@ -128,22 +129,26 @@ def _access(args) -> tuple:
     """The key ring and limits the options ask for; ValueError names a bad option."""
     from .server.auth import load_keys
     from .server.background import check_exposure, is_loopback
-    from .server.limits import Limits, default_max_concurrent_per_key
+    from .server.limits import SHARED_MAX_PROMPT_LOGPROBS, Limits, default_max_concurrent_per_key
+    from .sampling_params import MAX_LOGPROBS
     keys = load_keys(args.api_key, args.api_keys_file)
     check_exposure(args.host, keys, args.allow_unauthenticated)
+    shared = bool(keys) or not is_loopback(args.host)
     cap = args.max_concurrent_per_key
     if cap is None:
-        shared = bool(keys) or not is_loopback(args.host)
         cap = default_max_concurrent_per_key(args.max_num_seqs) if shared else 0
     if cap < 0:
         raise ValueError(f"--max-concurrent-per-key must be >= 0 (0: no cap), got {cap}")
+    prompt_logprobs = args.max_prompt_logprobs
+    if prompt_logprobs is None:
+        prompt_logprobs = SHARED_MAX_PROMPT_LOGPROBS if shared else MAX_LOGPROBS
     limits = Limits(max_concurrent_per_key=cap or None, max_tokens=args.max_tokens_limit,
                     max_body_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
                     body_timeout_s=args.body_timeout, stall_timeout_s=args.stall_timeout,
                     max_connections=args.max_connections, metrics_public=args.metrics_public,
                     max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
                     max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
-                    max_logprobs=args.max_logprobs, max_prompt_logprobs=args.max_prompt_logprobs,
+                    max_logprobs=args.max_logprobs, max_prompt_logprobs=prompt_logprobs,
                     keep_alive_timeout_s=args.keep_alive_timeout,
                     share_prefix_cache=args.share_prefix_cache)
     return keys, limits
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, num_blocks=args.num_blocks, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-            attention_backend=args.attention_backend, dtype=args.dtype,
+            attention_backend=args.attention_backend, dtype=args.dtype, jump_forward=not args.no_jump_forward,
             max_waiting=None if args.max_waiting < 0 else args.max_waiting, step_delay_s=args.step_delay)
     except ValueError as e:
         print(f"labkit serve: {e}", file=sys.stderr)

@@ -162,7 +162,9 @@ def test_cli_limits_reach_the_server(monkeypatch):
     assert {name: getattr(Limits(), name) for name in SERVE_DEFAULTS} == SERVE_DEFAULTS
     _, limits = _access(_parser().parse_args(["serve", "--model", "tiny-llama"]))
     assert {name: getattr(limits, name) for name in SERVE_DEFAULTS} == SERVE_DEFAULTS
-    assert limits.share_prefix_cache is False
+    assert limits.share_prefix_cache is False and limits.max_prompt_logprobs == 20      # private: vLLM's
+    _, shared = _access(_parser().parse_args(["serve", "--api-key", "a:k"]))
+    assert shared.max_prompt_logprobs == 1                                               # shared: scoring only
     args = _parser().parse_args(["serve", "--api-key", "a:k", "--max-stop-strings", "4", "--max-stop-string-length",
                                  "16", "--max-stop-token-ids", "2", "--max-logit-bias", "10", "--max-logprobs", "5",
                                  "--max-prompt-logprobs", "0", "--keep-alive-timeout", "2.5", "--share-prefix-cache"])

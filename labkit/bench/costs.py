@@ -83,6 +83,7 @@ def scenarios(vocab: int, limits) -> list[Scenario]:
         Scenario("scoring: longest prompt, max_tokens 1", max_tokens=1),
         Scenario(f"scoring with prompt_logprobs: {limits.max_prompt_logprobs}",
                  {"prompt_logprobs": limits.max_prompt_logprobs}, max_tokens=1),
+        Scenario("scoring with prompt_logprobs: 5", {"prompt_logprobs": 5}, beyond_limits=True, max_tokens=1),
         Scenario("scoring with prompt_logprobs: 20", {"prompt_logprobs": 20}, beyond_limits=True, max_tokens=1),
         Scenario(f"n: {limits.max_concurrent_per_key or 8}", {"n": limits.max_concurrent_per_key or 8}),
         Scenario(f"every per-token option at its cap, n={limits.max_concurrent_per_key or 8}",
@@ -148,10 +149,10 @@ class Runner:
 
 def measure(model: str, batch: int, steps: int, rounds: int, max_tokens: int, num_blocks: int | None) -> dict:
     from ..llm import LLM
-    from ..server.limits import Limits
+    from ..server.limits import SHARED_MAX_PROMPT_LOGPROBS, Limits
     llm = LLM(model, num_blocks=num_blocks, max_num_seqs=max(batch + 16, 64))
     freeze_startup_heap()                 # as the server does once its model is loaded
-    limits = Limits(max_concurrent_per_key=8)
+    limits = Limits(max_concurrent_per_key=8, max_prompt_logprobs=SHARED_MAX_PROMPT_LOGPROBS)    # a shared server's
     rows = scenarios(llm.runner.vocab_size, limits)
     runner = Runner(llm, batch, max_tokens)
     per_round: dict[str, list[dict]] = {s.name: [] for s in rows}

@@ -215,9 +215,10 @@ class Classroom:
     ``hog_idle`` connections that send nothing. Every loop is bounded in count and time.
 
     ``worst``: phases in which one key (its own process) keeps the costliest requests the
-    server's limits allow in flight, back to back (``worst_bodies``): ``"generate"``, one
-    streamed request of n = cap samples with every per-token option at its limit;
-    ``"score"``, cap requests scoring the longest prompt with its log-probabilities."""
+    server's limits allow in flight, back to back (``worst_bodies``): ``"stop"``, one
+    streamed request of n = cap samples with the most and longest stop strings allowed;
+    ``"generate"``, the same with every per-token option at its limit; ``"score"``, cap
+    requests scoring the longest prompt with its log-probabilities."""
 
     num_keys: int = 30
     concurrency: int = 2
@@ -236,7 +237,7 @@ class Classroom:
     stall_timeout_s: float = 3.0
     header_timeout_s: float = 2.0
     timeout_s: float = 300.0              # the whole scenario, per phase
-    worst: tuple[str, ...] = ("generate", "score")
+    worst: tuple[str, ...] = ("stop", "generate", "score")
     rounds: int = 1                       # rounds of (students alone, beside each worst request)
 
     def server_args(self, keys_file: str) -> list[str]:
@@ -256,8 +257,10 @@ def classroom_keys(num_keys: int) -> dict[str, str]:
 
 def worst_bodies(model: str, vocab: int, max_model_len: int, c: Classroom) -> dict[str, dict]:
     """The costliest requests the classroom server's limits allow (its ``--max-tokens-limit``
-    and per-key cap, and ``Limits``' defaults for the rest), by what they cost:
+    and per-key cap, and a shared server's defaults for the rest), by what they cost:
 
+    * ``stop``: n = cap samples of ``max_tokens`` = the limit, streamed, each token matched
+      against the most and longest stop strings allowed (none of which occurs);
     * ``generate``: n = cap samples of ``max_tokens`` = the limit after the longest prompt
       that leaves room, streamed, each token matched against the most and longest stop
       strings allowed, biased by the most ``logit_bias`` entries, penalised three ways,
@@ -265,8 +268,8 @@ def worst_bodies(model: str, vocab: int, max_model_len: int, c: Classroom) -> di
     * ``score``: the longest prompt, ``max_tokens`` 1, its ``prompt_logprobs`` and echoed
       logprobs at their limit (what an evaluation harness sends), in one JSON answer.
     """
-    from ..server.limits import Limits
-    limits, rng = Limits(), random.Random(7)
+    from ..server.limits import SHARED_MAX_PROMPT_LOGPROBS, Limits
+    limits, rng = Limits(max_prompt_logprobs=SHARED_MAX_PROMPT_LOGPROBS), random.Random(7)   # a shared server's
     letters = "abcdefghijklmnopqrstuvwxyz"
     stop = [" " + "".join(rng.choice(letters) for _ in range(limits.max_stop_string_length - 1))
             for _ in range(limits.max_stop_strings)]
@@ -291,14 +294,16 @@ def worst_bodies(model: str, vocab: int, max_model_len: int, c: Classroom) -> di
                 "logprobs": limits.max_logprobs, "return_token_ids": True, **per_token}
     score = {"model": model, "prompt": prompt(max_model_len - 1), "max_tokens": 1, "echo": True,
              "logprobs": limits.max_prompt_logprobs, "prompt_logprobs": limits.max_prompt_logprobs, **per_token}
-    return {"generate": generate, "score": score}
+    stops = {"model": model, "prompt": generate["prompt"], "max_tokens": c.hog_max_tokens, "n": c.cap,
+             "stream": True, "ignore_eos": True, "temperature": 0, "stop": stop, "return_token_ids": True}
+    return {"stop": stops, "generate": generate, "score": score}
 
 
 async def _worst(http, url: str, key: str, bodies: dict[str, dict], kind: str, c: Classroom,
                  stop: asyncio.Event) -> dict:
     """Keep ``kind``'s worst requests in flight until ``stop``: reading every answer whole,
     sending the next one as soon as it ends (a 429 retried after 10 ms)."""
-    body, workers = bodies[kind], (1 if kind == "generate" else c.cap)
+    body, workers = bodies[kind], (c.cap if kind == "score" else 1)
     # ok: answers read whole; chunks: streamed chunks read (a long request is in flight,
     # and served, before it ends)
     report = {"kind": kind, "requests": 0, "ok": 0, "chunks": 0, "statuses": {}, "first_error": None}
@@ -436,7 +441,7 @@ async def _hog(http, url: str, model: str, key: str, c: Classroom, stop: asyncio
 def _other_main(kind: str, url: str, model: str, key: str, scenario: dict, bodies: dict | None,
                 started, stop, out) -> None:
     """The other key's process: run ``_hog`` (kind ``"hog"``) or ``_worst`` (kind
-    ``"generate"``/``"score"``) until the parent sets ``stop``; report on ``out``."""
+    ``"stop"``/``"generate"``/``"score"``) until the parent sets ``stop``; report on ``out``."""
     import httpx
 
     async def main():
@@ -497,7 +502,7 @@ class _OtherProcess:
 async def _classroom_phase(url: str, model: str, vocab: int, keys: dict[str, str], c: Classroom,
                            other: str | None, seed: int, bodies: dict | None = None) -> dict:
     """The students' workload, alone (``other`` None) or beside the hog (``"hog"``) or the
-    worst requests (``"generate"``, ``"score"``: ``bodies``)."""
+    worst requests (``"stop"``, ``"generate"``, ``"score"``: ``bodies``)."""
     import httpx
     rng = random.Random(seed)
     lo = min(3, vocab - 1)
@@ -707,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="rounds of (students alone, beside each worst request), each compared with its own "
                         "baseline; the ratios' median is reported (default %(default)s)")
     k.add_argument("--worst", default=",".join(default.worst),
-                   help="worst-request phases to run: generate, score, both (default) or none")
+                   help="worst-request phases to run, of stop, generate, score (default: all three) or none")
     k.add_argument("--cap", type=int, default=default.cap,
                    help="the server's --max-concurrent-per-key (default %(default)s; 0: no cap, no "
                         "round-robin, to see what the gate prevents)")
@@ -718,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.students < 1 or args.requests_per_student < 1 or (args.cap != 0 and args.cap < 2):
             p.error("--students and --requests-per-student must be >= 1, --cap >= 2 (or 0: no gate)")
         worst = tuple(w.strip() for w in args.worst.split(",") if w.strip() and w.strip() != "none")
-        if any(w not in ("generate", "score") for w in worst):
-            p.error(f"--worst takes generate, score or none, got {args.worst!r}")
+        if any(w not in ("stop", "generate", "score") for w in worst):
+            p.error(f"--worst takes stop, generate, score or none, got {args.worst!r}")
         if args.rounds < 1:
             p.error("--rounds must be >= 1")
         return classroom_main(args, Classroom(num_keys=args.students, requests_per_key=args.requests_per_student,

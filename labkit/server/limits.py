@@ -56,7 +56,11 @@ DEFAULT_MAX_STOP_STRINGS = 32          # OpenAI allows 4; evaluation harnesses a
 DEFAULT_MAX_STOP_STRING_LENGTH = 128   # characters; also what a stream may hold back
 DEFAULT_MAX_STOP_TOKEN_IDS = 64
 DEFAULT_MAX_LOGIT_BIAS = 300           # entries (token ids)
-DEFAULT_MAX_PROMPT_LOGPROBS = 5       # OpenAI's cap on completions' logprobs (which echo applies to the prompt)
+# Prompt-side log-probabilities: vLLM's 20 by default; a shared server (keys, or beyond
+# loopback) takes 1 unless told otherwise: a token's own logprob and whether it was the
+# most likely, what evaluation clients ask to score a text (echo + logprobs 1). More, on
+# every prompt token, was measured to cost the other students' first tokens 2-4x.
+SHARED_MAX_PROMPT_LOGPROBS = 1
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0     # uvicorn's own default; labkit used 30 s before
 
 
@@ -97,7 +101,7 @@ class Limits:
     max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
     max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
     max_logprobs: int = MAX_LOGPROBS
-    max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS
+    max_prompt_logprobs: int = MAX_LOGPROBS
     keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
     share_prefix_cache: bool = False
 

@@ -43,8 +43,8 @@ lab: setup model
 test: setup model browser sandbox
 	$(BIN)/python -m pytest
 
-# Setup ends with the C++ CPU kernels compiled for this machine (about 1 min on 2 idle cores,
-# once; a few seconds to check afterwards), so that no notebook cell waits on a compiler.
+# Setup ends with the C++ CPU kernels compiled for this machine (once: 1-2 min on 2 idle cores,
+# 5-11 on busy ones; a few seconds to check afterwards), so that no notebook cell waits on a compiler.
 setup: $(STAMP)
 	$(BIN)/python -m labkit kernels
 

@@ -47,9 +47,10 @@ from labkit.utils import Stopwatch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "bindings.cpp"))
-# Measured: python -m labkit kernels on an empty cache, 2 cores (README, "make lab"). Said
-# before compiling, so that a first run is not mistaken for a hang.
-COMPILE_TIME = "about 1 min on 2 idle cores, up to 6 on a busy machine"
+# Measured: python -m labkit kernels on an empty cache, 2 cores at load average 10-30: 334, 482
+# and 646 s (119-157 s of CPU time). Said before compiling, so that a first run is not
+# mistaken for a hang.
+COMPILE_TIME = "about 2 min of CPU time: 1-2 min on 2 idle cores, 5-11 min measured on a busy 2-core machine"
 
 _lock = threading.Lock()
 _module: ModuleType | None = None

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(r["command"]) for r in rows)
     print(f"{'command':<{width}}  median    fastest   imports torch   ({args.repeat} fresh processes each)")
     for r in rows:
-        print(f"{r['command']:<{width}}  {r['median_s']:6.2f} s  {r['min_s']:6.2f} s  {'yes' if r['imports_torch'] else 'no'}")
+        torch_loaded = "yes" if r["imports_torch"] else "no"
+        print(f"{r['command']:<{width}}  {r['median_s']:6.2f} s  {r['min_s']:6.2f} s  {torch_loaded}")
     return 0
 
 

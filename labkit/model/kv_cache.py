@@ -110,7 +110,8 @@ def plan_kv_cache(config, dtype: torch.dtype, block_size: int, *, max_num_seqs: 
     memory = memory if memory is not None else device_memory(device)
     if num_blocks is not None or kv_cache_memory is not None:
         blocks = num_blocks if num_blocks is not None else int(kv_cache_memory // per_block)
-        given = f"num_blocks={num_blocks}" if num_blocks is not None else f"kv_cache_memory={size_text(kv_cache_memory)}"
+        given = (f"num_blocks={num_blocks}" if num_blocks is not None
+                 else f"kv_cache_memory={size_text(kv_cache_memory)}")
         if blocks < 1:
             raise ValueError(f"a KV budget of {kv_cache_memory} bytes holds no block of {block_size} tokens "
                              f"({per_block} bytes each)")

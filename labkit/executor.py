@@ -21,6 +21,7 @@ exactly as it would have.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -31,6 +32,9 @@ from .model.runner import ModelRunner, SeqChunk
 from .model.sampler import PenaltyRow, SamplingRow, apply_penalties, logprob_entries, make_generator, sample
 from .scheduler import SchedulerOutput
 from .structured.matchers import MaskRow
+
+
+_MAKING_GRAMMARS = threading.Lock()
 
 
 def _row_seed(seed: int, index: int, position: int) -> int:
@@ -66,7 +70,9 @@ class ModelExecutor:
             from .structured.matchers import GrammarMatchers
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer, and this executor has none")
-            self._grammars = GrammarMatchers(self.tokenizer, self.vocab_size, self.runner.eos_token_ids)
+            with _MAKING_GRAMMARS:      # a server compiles on its grammar thread: one instance, whoever asks first
+                if self._grammars is None:
+                    self._grammars = GrammarMatchers(self.tokenizer, self.vocab_size, self.runner.eos_token_ids)
         return self._grammars
 
     @property

@@ -201,6 +201,12 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         if any(t >= engine.vocab_size for t in bias):
             raise bad_request(f"'logit_bias' names token {max(bias)}, but the vocabulary has "
                               f"{engine.vocab_size} tokens (ids 0..{engine.vocab_size - 1})", param="logit_bias")
+        if parsed.params.structured_outputs is not None:
+            field = parsed.extras.get("structured_field", "response_format")
+            try:                                # off the engine's thread: a schema may take seconds
+                await engine.compile_grammar(parsed.params.structured_outputs)
+            except ValueError as e:
+                raise bad_request(f"'{field}': {e}", param=field) from None
         rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
         # With keys, a client's own request id lives in its key's namespace: no student can
         # occupy, or probe, the ids another student's client sends.

@@ -45,6 +45,10 @@ log = logging.getLogger("labkit.server")
 Prompt = str | list[int]
 
 
+#: The longest a request's grammar may take to compile before the server refuses it (400).
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0
+
+
 class QueueFullError(RuntimeError):
     """Too many requests wait for their first iteration: try again later (HTTP 429)."""
 
@@ -166,6 +170,9 @@ class AsyncEngine:
         self._finished: deque[RequestRecord] = deque(maxlen=max_records)
         # One thread tokenizes, in arrival order: big prompts queue here, not in the engine loop.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="labkit-tokenize")
+        # Grammars (structured outputs) compile on a thread of their own: a slow schema delays
+        # other schemas, never the engine's iterations nor anybody's tokenization.
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="labkit-grammar")
         self._ids = itertools.count()
         self._stopping = False
         self._error: BaseException | None = None
@@ -190,6 +197,7 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify_all()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -234,6 +242,28 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - a template raises what it likes
                 raise ValueError(f"the chat template rejected the messages: {e}") from None
         return await self._on_tokenizer_thread(render)
+
+    async def compile_grammar(self, spec, timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S) -> None:
+        """Compile a request's grammar (its ``StructuredOutputsParams``) for the model's
+        vocabulary on the grammar thread, so that the engine's thread finds it in its cache
+        (compiling can take seconds; a mask then takes microseconds). ``ValueError`` when it
+        cannot be compiled, or not within ``timeout_s`` (the compilation goes on, off every
+        request's path, and its result is cached)."""
+        def compile_now() -> None:
+            grammars = getattr(self.engine.executor, "grammars", None)
+            if grammars is None:
+                raise ValueError("this engine's executor cannot constrain its tokens (a simulator)")
+            grammars.check(spec)
+        loop = asyncio.get_running_loop()
+        try:
+            future = loop.run_in_executor(self._grammar_pool, compile_now)
+        except RuntimeError as e:
+            raise EngineDeadError(f"the engine is not running ({e})") from None
+        try:
+            await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except asyncio.TimeoutError:
+            raise ValueError(f"the grammar did not compile within {timeout_s:g} s; a simpler schema, regex or "
+                             "grammar will") from None
 
     async def _on_tokenizer_thread(self, fn, *args):
         try:

@@ -7,8 +7,11 @@ argument supplied"), a field it knows but does not implement (``tools``,
 ``response_format``, ...: ``UNSUPPORTED``) is refused unless its value means the default,
 and only fields that label a request without changing its output (``user``,
 ``metadata``, ...: ``LABELS``) are accepted and not used. A known field of the wrong type
-is an error, as is a value SamplingParams rejects. Extensions beyond OpenAI's fields
-(vLLM's names): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+is an error, as is a value SamplingParams rejects. ``response_format`` (``text``,
+``json_object``, ``json_schema``) constrains the output with a grammar, on chat and
+completions alike (``structured_outputs``). Extensions beyond OpenAI's fields
+(vLLM's names): ``structured_outputs`` (``{"json": schema}``, ``{"regex": ...}``,
+``{"choice": [...]}``, ``{"grammar": ...}``, ``{"json_object": true}``), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``return_token_ids`` (each choice, and each
 streamed chunk, then carries the ``token_ids`` it adds), ``prompt_logprobs``
 (not streamed; vLLM's ``prompt_logprobs`` in the answer) and ``cache_salt`` (the
@@ -35,6 +38,7 @@ from typing import Any, Callable
 
 from ..model.loader import BYTE_OF_CHAR
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..structured import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -95,6 +99,7 @@ COMMON_FIELDS = {
     "logit_bias": "object",
     "ignore_eos": "boolean", "min_tokens": "integer", "stop_token_ids": "list of integers",
     "return_token_ids": "boolean", "prompt_logprobs": "integer", "cache_salt": "string",
+    "response_format": "object", "structured_outputs": "object",
 }
 # Accepted and not used: they label a request (for the caller's own bookkeeping), they
 # do not change what is generated.
@@ -112,7 +117,6 @@ UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v == "",
 }
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v == {"type": "text"},
     "tools": _NO, "tool_choice": lambda v: v == "none", "parallel_tool_calls": _NO,
     "functions": _NO, "function_call": lambda v: v == "none",
     "audio": _NO, "modalities": lambda v: v == ["text"], "prediction": _NO,
@@ -216,6 +220,7 @@ def _sampling_params(body: dict, max_tokens_field: str = "max_tokens",
                      prompt_logprobs: int | None = None,
                      renames: dict[str, str] | None = None) -> tuple[SamplingParams, bool]:
     """``renames``: SamplingParams field -> the request field to blame for a bad value."""
+    structured, structured_field = _structured_outputs(body)
     max_tokens = body.get(max_tokens_field)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = body.get("max_tokens")
@@ -238,6 +243,7 @@ def _sampling_params(body: dict, max_tokens_field: str = "max_tokens",
         logit_bias=_logit_bias(body.get("logit_bias")),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured,
     )
     if fill_context:                   # validated against a placeholder; set per prompt later
         options["max_tokens"] = max(1, options["min_tokens"])
@@ -247,6 +253,8 @@ def _sampling_params(body: dict, max_tokens_field: str = "max_tokens",
         m = re.search(r"SamplingParams\.(\w+)=", str(e))
         param = m.group(1) if m else None
         param = (renames or {}).get(param, param)
+        if param == "structured_outputs":
+            param = structured_field
         if param == "max_tokens" and max_tokens_field != "max_tokens" and body.get(max_tokens_field) is not None:
             param = max_tokens_field
         raise bad_request(str(e).replace("SamplingParams.", ""), param=param) from None
@@ -255,6 +263,75 @@ def _sampling_params(body: dict, max_tokens_field: str = "max_tokens",
 
 def _default(value, default):
     return default if value is None else value
+
+
+#: What each ``response_format`` type may hold (OpenAI's keys).
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+
+
+def _structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` (one of them) as labkit's
+    ``StructuredOutputsParams``, and the request field it came from; a 400 naming that field
+    for anything it cannot be (a schema, regex or grammar that does not parse included).
+    ``strict`` is accepted either way: labkit's mask always holds the output to the schema."""
+    fmt, ext = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and fmt.get("type") != "text" and ext is not None:
+        raise bad_request("give 'response_format' or 'structured_outputs', not both", param="structured_outputs")
+    if ext is not None:
+        known = set(StructuredOutputsParams.__dataclass_fields__)
+        unknown = sorted(set(ext) - known)
+        if unknown:
+            raise bad_request(f"'structured_outputs.{unknown[0]}' is not a field labkit knows (it takes "
+                              f"{', '.join(sorted(known))})", param="structured_outputs")
+        return _structured(lambda: StructuredOutputsParams(**ext), "structured_outputs"), "structured_outputs"
+    if fmt is None:
+        return None, None
+    kind = fmt.get("type")
+    if kind not in _FORMAT_KEYS:
+        raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got "
+                          f"{json.dumps(kind)[:40]}", param="response_format")
+    extra = sorted(set(fmt) - _FORMAT_KEYS[kind])
+    if extra:
+        raise bad_request(f"Unrecognized request argument supplied: response_format.{extra[0]}",
+                          param="response_format")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("Missing required parameter: 'response_format.json_schema' (an object with 'name' and "
+                          "'schema')", param="response_format")
+    extra = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    if extra:
+        raise bad_request(f"Unrecognized request argument supplied: response_format.json_schema.{extra[0]}",
+                          param="response_format")
+    name = spec.get("name")
+    if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name)):
+        raise bad_request("'response_format.json_schema.name' is required: up to 64 letters, digits, '_' or '-'",
+                          param="response_format")
+    if not isinstance(spec.get("schema"), dict):
+        raise bad_request("Missing required parameter: 'response_format.json_schema.schema' (a JSON Schema object)",
+                          param="response_format")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise bad_request("'response_format.json_schema.strict' must be a boolean", param="response_format")
+    return (_structured(lambda: StructuredOutputsParams(json=spec["schema"]), "response_format",
+                        "response_format.json_schema.schema"), "response_format")
+
+
+def _structured(make: Callable[[], StructuredOutputsParams], field_name: str,
+                where: str | None = None) -> StructuredOutputsParams:
+    """``make()``, or a 400 naming ``field_name`` (the request's field) and ``where`` in it
+    (default: the ``StructuredOutputsParams`` field the message names)."""
+    try:
+        return make()
+    except (TypeError, ValueError) as e:
+        text = str(e).removeprefix("StructuredOutputsParams")
+        m = re.match(r"\.(\w+)", text)
+        where = where or (f"{field_name}.{m.group(1)}" if m else field_name)
+        reason = text.split(": ", 1)[1] if ": " in text else text.lstrip(".: ")
+        raise bad_request(f"'{where}': {reason}", param=field_name) from None
 
 
 def _prompt_logprobs(body: dict, stream: bool, also: int | None = None) -> tuple[int | None, int | None]:
@@ -324,7 +401,13 @@ def parse_completion(body: dict) -> Parsed:
                                     renames={"prompt_logprobs": "logprobs"})
     return Parsed(body.get("model"), prompts, params, stream, include_usage,
                   bool(body.get("return_token_ids")), fill, logprobs=logprobs, echo=echo,
-                  prompt_logprobs=asked, cache_salt=_cache_salt(body))
+                  prompt_logprobs=asked, cache_salt=_cache_salt(body), extras=_extras(body))
+
+
+def _extras(body: dict) -> dict[str, Any]:
+    """What the server needs besides the settings: the field a grammar came from (to blame)."""
+    return {"structured_field": "structured_outputs" if body.get("structured_outputs") is not None
+            else "response_format"}
 
 
 def parse_chat(body: dict) -> Parsed:
@@ -362,7 +445,7 @@ def parse_chat(body: dict) -> Parsed:
                                     renames={"logprobs": "top_logprobs"})
     return Parsed(body.get("model"), [conversation], params, stream, include_usage,
                   bool(body.get("return_token_ids")), fill, logprobs=logprobs, prompt_logprobs=asked,
-                  chat=True, cache_salt=_cache_salt(body))
+                  chat=True, cache_salt=_cache_salt(body), extras=_extras(body))
 
 
 # ---- responses ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ output may end.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 
@@ -42,7 +43,8 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
 
 
 class GrammarCache:
-    """Compiled grammars by spec key, least recently used evicted past ``capacity``.
+    """Compiled grammars by spec key, least recently used evicted past ``capacity``; safe to
+    share between threads (two threads compiling one new spec each compile it once).
 
     ``compile(params)`` returns XGrammar's ``CompiledGrammar`` for a request's
     ``StructuredOutputsParams``; ``hits``, ``misses`` and ``compile_s`` say what the cache
@@ -57,6 +59,7 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
         self._grammars: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()       # a server compiles on its own thread, the engine reads on its
         self.capacity = capacity
         self.hits = 0
         self.misses = 0
@@ -66,11 +69,12 @@ class GrammarCache:
         """The compiled grammar of ``params`` (cached); ``ValueError`` naming the problem if
         it cannot be compiled."""
         key = params.key()
-        compiled = self._grammars.get(key)
-        if compiled is not None:
-            self._grammars.move_to_end(key)
-            self.hits += 1
-            return compiled
+        with self._lock:
+            compiled = self._grammars.get(key)
+            if compiled is not None:
+                self._grammars.move_to_end(key)
+                self.hits += 1
+                return compiled
         grammar = parse_grammar(key)
         t0 = time.perf_counter()
         try:
@@ -78,11 +82,12 @@ class GrammarCache:
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"StructuredOutputsParams.{key[0]}: cannot compile it for this model's "
                              f"vocabulary ({str(e).strip().splitlines()[0][:200]})") from None
-        self.compile_s += time.perf_counter() - t0
-        self.misses += 1
-        self._grammars[key] = compiled
-        if len(self._grammars) > self.capacity:
-            self._grammars.popitem(last=False)
+        with self._lock:
+            self.compile_s += time.perf_counter() - t0
+            self.misses += 1
+            self._grammars[key] = compiled
+            if len(self._grammars) > self.capacity:
+                self._grammars.popitem(last=False)
         return compiled
 
     def __len__(self) -> int:

@@ -67,6 +67,7 @@ class Row:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     sandbox: str = ""             # how its kernel was isolated: "bwrap", "unshare", "none"
+    peak_mb: float = 0.0          # the most memory its sandbox held at once (as the guard saw it)
 
     @property
     def points(self) -> int:
@@ -244,7 +245,7 @@ def grade(sub: Submission, lab: Distributed, submissions: Path, timeout: float, 
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     _verdicts(row, cells, places, lab, run, timeout)
-    row.seconds = round(time.monotonic() - start, 1)
+    row.seconds, row.peak_mb = round(time.monotonic() - start, 1), round(run.peak_mb)
     return row
 
 

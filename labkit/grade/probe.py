@@ -59,10 +59,10 @@ def observations(module: str | None = None, name: str | None = None) -> list[str
     if module and name:
         import labkit.exercises as package
         home = os.path.dirname(package.__file__ or "")
-        loaded = sys.modules.get(module)
-        if loaded is None or not (getattr(loaded, "__file__", "") or "").startswith(home):
+        loaded = sys.modules.get(module)                  # (not loaded: its import failed, and says so)
+        if loaded is not None and not (getattr(loaded, "__file__", "") or "").startswith(home):
             seen.append(f"sys.modules[{module!r}] is not labkit's module")
-        else:
+        elif loaded is not None:
             fn = getattr(loaded, name, None)
             parts = [getattr(fn, "__wrapped__", fn), *(getattr(fn, a) for a in ("probe", "judge", "plain_arguments")
                                                        if hasattr(fn, a))]

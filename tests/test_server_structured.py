@@ -190,7 +190,7 @@ def test_every_json_schema_reply_of_the_default_model_parses_and_validates():
 
         parsed = client.chat.completions.parse(
             model="smollm2-135m", max_tokens=256, temperature=0.0, response_format=Event,
-            messages=[{"role": "user", "content": "A jazz concert in Montreal, as JSON with title, city and attendees."}])
+            messages=[{"role": "user", "content": "A jazz concert in Montreal, as JSON: title, city, attendees."}])
         assert isinstance(parsed.choices[0].message.parsed, Event)
     for name, choice in answers:
         assert choice.finish_reason == "stop", (name, choice.message.content)

@@ -17,7 +17,6 @@ import torch
 
 from labkit import LLM, SamplingParams, StructuredOutputsParams
 from labkit.structured.bitmask import allocate_bitmask, allowed_tokens, apply_bitmask, apply_bitmask_reference, unpack
-from labkit.structured.params import choice_grammar
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -292,7 +291,6 @@ def test_a_bad_spec_is_refused_at_add_request_and_others_keep_running(tiny):
 
 
 def test_the_simulator_refuses_a_grammar():
-    from labkit.sim import simulate  # noqa: F401 - the simulator's engine is built below
     from labkit.engine import Engine
     from labkit.memory import BlockAllocator
     from labkit.scheduler import Scheduler

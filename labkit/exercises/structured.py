@@ -251,7 +251,8 @@ def _judge_token_allowed(ran: object, *, plan: dict | None = None) -> None:
     answers = [r.get("answer") for r in ran]
     for a in answers:
         if not isinstance(a, bool):
-            fail(f"token_allowed: return True or False, got {shown(a)} ({type(a).__name__ if not isinstance(a, dict) else a.get('type')}).")
+            what = a.get("type") if isinstance(a, dict) else type(a).__name__
+            fail(f"token_allowed: return True or False, got {shown(a)} ({what}).")
     right = [token_allowed_reference(_STEPS[m], s, t) for m, s, t in cases]
     if answers == right:
         passed(f"token_allowed agrees with the automaton on all {len(cases)} cases: a token fits when each "

@@ -4,14 +4,15 @@ Hand-written rather than pydantic models so that every mistake gets OpenAI's err
 and status (400, naming the field), not a framework's 422. Nothing is silently ignored:
 a field labkit does not know is refused as OpenAI refuses it ("Unrecognized request
 argument supplied"), a field it knows but does not implement (``tools``,
-``response_format``, ...: ``UNSUPPORTED``) is refused unless its value means the default,
+``audio``, ...: ``UNSUPPORTED``) is refused unless its value means the default,
 and only fields that label a request without changing its output (``user``,
 ``metadata``, ...: ``LABELS``) are accepted and not used. A known field of the wrong type
 is an error, as is a value SamplingParams rejects. ``response_format`` (``text``,
 ``json_object``, ``json_schema``) constrains the output with a grammar, on chat and
 completions alike (``structured_outputs``). Extensions beyond OpenAI's fields
 (vLLM's names): ``structured_outputs`` (``{"json": schema}``, ``{"regex": ...}``,
-``{"choice": [...]}``, ``{"grammar": ...}``, ``{"json_object": true}``), ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``{"choice": [...]}``, ``{"grammar": ...}``, ``{"json_object": true}``), ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``return_token_ids`` (each choice, and each
 streamed chunk, then carries the ``token_ids`` it adds), ``prompt_logprobs``
 (not streamed; vLLM's ``prompt_logprobs`` in the answer) and ``cache_salt`` (the

@@ -119,8 +119,10 @@ class GrammarMatchers:
     # ---- masks -------------------------------------------------------------------------
     def fill(self, rows: list[MaskRow], num_rows: int) -> torch.Tensor:
         """A ``[num_rows, words]`` bitmask whose ``rows`` are filled from their matchers'
-        states (the other rows hold whatever a previous step left: only ``rows`` are applied). Plain rows are filled in one call over threads;
-        a verification row advances its matcher by its assumed tokens, fills, and rolls back."""
+        states (the other rows hold whatever a previous step left: only ``rows`` are applied).
+        Plain rows are filled one after another (or by XGrammar's thread pool, for a large
+        batch); a verification row advances its matcher by its assumed tokens, fills, and
+        rolls back."""
         import xgrammar as xgr
 
         if self._bitmask.shape[0] < num_rows:

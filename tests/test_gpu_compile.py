@@ -46,7 +46,8 @@ def test_every_kernel_compiles_and_fits_every_gpu(quick):
     for target in G.TARGETS.values():
         for dtype in target.dtypes:
             for shape in shapes:
-                built = {r["kernel"] for r in rows if (r["target"], r["dtype"], r["shape"]) == (target.name, dtype, shape)}
+                where = (target.name, dtype, shape)
+                built = {r["kernel"] for r in rows if (r["target"], r["dtype"], r["shape"]) == where}
                 assert built == KERNELS, (target.name, dtype, shape)
     assert not any(r["target"] == "sm_75" and r["dtype"] == "bf16" for r in rows)   # the T4 has no bf16
     for r in rows:

@@ -683,7 +683,8 @@ def test_the_engine_sets_up_the_interpreter_before_transformers_imports_triton()
     code = """
 from labkit import LLM, SamplingParams
 llm = LLM("tiny-llama", attention_backend="triton", num_blocks=8)
-print(len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids))
+out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+print(len(out[0].outputs[0].token_ids))
 """
     result = _run_python(code)
     assert result.returncode == 0, result.stderr[-2000:]

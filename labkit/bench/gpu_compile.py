@@ -144,8 +144,8 @@ TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 def engine_launches(shape: Shape, dtype: str, target: Target) -> list:
     """The launches the engine makes for ``shape`` on ``target`` (its multiprocessors and
-    compute capability choose the split and the prefill tile), planned by the kernels' own code on ``meta`` tensors laid out as
-    ``labkit.model.llama.Attention`` passes them: q and k are views of the rotated
+    compute capability choose the split and the prefill tile), planned by the kernels' own
+    code on ``meta`` tensors laid out as ``labkit.model.llama.Attention`` passes them: q and k are views of the rotated
     [tokens, q + kv heads, d] tensor, v of the projection's [tokens, q + 2 kv heads, d]; each
     layer's caches are views of the one [layers, 2, blocks, block_size, kv heads, d] tensor.
 
@@ -428,7 +428,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             "builds": len({r["build"] for r in built}),
             "max_shared": max((r["shared"] + r["static_shared"] for r in built), default=0),
             "shared_limit": TARGETS[target].max_shared,
-            "registers": [min((r["registers"] for r in built), default=0), max((r["registers"] for r in built), default=0)],
+            "registers": [min((r["registers"] for r in built), default=0),
+                          max((r["registers"] for r in built), default=0)],
             "max_spill_stores": max((r["spill_stores"] for r in built), default=0),
             "min_occupancy": min((r["occupancy"] for r in built), default=0.0),
             "statuses": {s: sum(r["status"] == s for r in rs) for s in sorted({r["status"] for r in rs})},
@@ -442,7 +443,8 @@ def format_table(summary: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for s in summary:
         shared = f"{s['max_shared'] / 1024:.1f} / {s['shared_limit'] >> 10} KiB"
-        regs = f"{s['registers'][0]}-{s['registers'][1]}" if s["registers"][0] != s["registers"][1] else str(s["registers"][0])
+        low, high = s["registers"]
+        regs = f"{low}-{high}" if low != high else str(low)
         status = ", ".join(f"{n} {k}" for k, n in s["statuses"].items())
         lines.append(f"{s['kernel']:<22} {s['target']:<6} {s['gpu']:<5} {s['dtype']:<5} {s['shapes']:>6} "
                      f"{s['builds']:>6}  {shared:>20}  {regs:>9}  {s['max_spill_stores']:>5}B  "
@@ -467,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", help="grid head dims (default 64,96,128)")
     p.add_argument("--groups", help="grid GQA groups, query heads per KV head (default 1..8)")
     p.add_argument("--block-sizes", help="block sizes (default 8,16,32)")
-    p.add_argument("--model", action="append", help="a model whose shape to add: the default model (when cached) "
-                                                    "or a checkpoint directory; repeatable (default: the default model)")
+    p.add_argument("--model", action="append",
+                   help="a model whose shape to add: the default model (when cached) or a checkpoint directory; "
+                        "repeatable (default: the default model)")
     p.add_argument("--no-model", action="store_true", help="the grid only")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: the cores)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -116,8 +116,10 @@ def ctx_value(f):
 RIGHT_FORMS = [
     ("0.1", "exact numbers", {}),
     ("0.1", "bytes as a string with KiB", {"a1": ctx_value(lambda c: f"{c.per_token / 1024} KiB")}),
-    ("0.1", "numeric strings", {"a0": ctx_value(lambda c: str(c.capacity)), "a1": ctx_value(lambda c: f"{c.per_token} B")}),
-    ("0.1", "numpy scalars", {"a0": ctx_value(lambda c: np.int64(c.capacity)), "a1": ctx_value(lambda c: np.float32(c.per_token))}),
+    ("0.1", "numeric strings", {"a0": ctx_value(lambda c: str(c.capacity)),
+                                "a1": ctx_value(lambda c: f"{c.per_token} B")}),
+    ("0.1", "numpy scalars", {"a0": ctx_value(lambda c: np.int64(c.capacity)),
+                              "a1": ctx_value(lambda c: np.float32(c.per_token))}),
     ("0.2", "ints", {}),
     ("0.2", "float and string", {"a0": 6.0, "a1": ctx_value(lambda c: str(c.steps))}),
     ("0.2", "a 0-d tensor", {"a0": torch.tensor(6)}),
@@ -617,7 +619,7 @@ def test_bare_numbers_are_read_in_the_named_unit_only():
 def test_reading_shares_counts_and_containers():
     assert g.read_fraction("x", 0.25) == 0.25 and g.read_fraction("x", 25) == 0.25
     assert g.read_fraction("x", "0.5%") == 0.005 and g.read_fraction("x", 1) == 1.0
-    assert g.read_count("x", 5.0) == 5 and g.read_count("x", np.int64(5)) == 5 and g.read_count("x", torch.tensor(5)) == 5
+    assert g.read_count("x", 5.0) == g.read_count("x", np.int64(5)) == g.read_count("x", torch.tensor(5)) == 5
     assert g.read_number("x", "1,000") == 1000 and g.read_number("x", np.array(2.5)) == 2.5
     assert g.read_number("x", "10 / 70") == 10 / 70 and g.read_ratio("x", "1.6×") == g.read_ratio("x", "1.6 x") == 1.6
     for bad in ("10/0", "1/2/3", "a/b"):

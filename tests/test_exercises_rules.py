@@ -61,8 +61,9 @@ MEASURED = {"labkit": {"wall_s": 3.0, "output_tokens": 90}, "hf-static": {"wall_
 
 @functools.lru_cache(maxsize=None)
 def records() -> tuple[list[dict], list[str]]:
-    trace = [TraceRequest(8, 6, arrival_s=0.0), TraceRequest(20, 12, arrival_s=1.0), TraceRequest(12, 10, arrival_s=1.0),
-             TraceRequest(30, 8, arrival_s=1.05), TraceRequest(16, 6, arrival_s=1.2)]
+    trace = [TraceRequest(8, 6, arrival_s=0.0), TraceRequest(20, 12, arrival_s=1.0),
+             TraceRequest(12, 10, arrival_s=1.0), TraceRequest(30, 8, arrival_s=1.05),
+             TraceRequest(16, 6, arrival_s=1.2)]
     recs = S.record_facts(simulate(trace, num_blocks=64, block_size=4, max_num_seqs=4).records)
     mark = next(k for k, r in enumerate(recs) if any(rid == "r1" for rid, *_ in r["ran"]))
     return recs[mark:], ["r1", "r2", "r3", "r4"]
@@ -167,7 +168,8 @@ EXERCISES = [
     Exercise("2.1", M.check_exercise_2, lambda: (5, 10, 10 / 70),
              [Part(0, "count", counts(0, 40)), Part(1, "count", counts(0, 40)),
               Part(2, "number", grid(lambda: 10 / 70, 0.8), lambda: 10 / 70, SHARE)]),
-    Exercise("3.1", EN.check_fork_copies, lambda: (6, 3), [Part(0, "count", counts(0, 40)), Part(1, "count", counts(0, 40))]),
+    Exercise("3.1", EN.check_fork_copies, lambda: (6, 3),
+             [Part(0, "count", counts(0, 40)), Part(1, "count", counts(0, 40))]),
     Exercise("3.2", EN.check_prefix_reuse, lambda: (992, 58),
              [Part(0, "count", counts(0, 1100)), Part(1, "count", counts(0, 1100))]),
     Exercise("3.3", M.check_exercise_3, lambda: (500_000, 1000, "BEH"),
@@ -188,7 +190,8 @@ EXERCISES = [
              [Part(0, "count", counts(0, 400))], before=lambda: (FACTS, 37, 3)),
     Exercise("6.3", SA.check_min_p, lambda: (_min_p().survivors, _min_p().p_top),
              [Part(0, "count", counts(0, 30)),
-              Part(1, "number", grid(lambda: _min_p().p_top, 0.4, top=1.0), lambda: _min_p().p_top, {"fraction": lambda x: x})],
+              Part(1, "number", grid(lambda: _min_p().p_top, 0.4, top=1.0), lambda: _min_p().p_top,
+                   {"fraction": lambda x: x})],
              before=lambda: (LOGPROBS,)),
     Exercise("7.1", D.check_ridge_point, lambda: (D.ridge_expected(),),
              [Part(0, "number", grid(D.ridge_expected), D.ridge_expected, {"number": lambda x: x})]),
@@ -335,8 +338,8 @@ def test_wrong_answers_get_one_message_but_for_known_mistakes(exercise, part):
     generic, count = collections_mode(wrong)
     special = len(wrong) - count
     limit = KNOWN_MISTAKES_MAX + (len(wrong) // 50 if part.kind == "number" else 0)
-    assert special <= limit, (f"{exercise.id} answer {part.index}: {special} of {len(wrong)} wrong answers get a message "
-                              f"of their own: " + "; ".join(sorted({lab for lab in wrong if lab != generic})[:6]))
+    assert special <= limit, (f"{exercise.id} answer {part.index}: {special} of {len(wrong)} wrong answers get a "
+                              "message of their own: " + "; ".join(sorted({lab for lab in wrong if lab != generic})[:6]))
     navigating = sorted({lab for lab in wrong if NAVIGATION.search(lab)})
     assert not navigating, f"{exercise.id}: hints that navigate: {navigating[:3]}"
 

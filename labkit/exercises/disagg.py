@@ -297,7 +297,8 @@ def _plan_mistakes(problem: PlanProblem = PROBLEM) -> tuple[list[tuple[float, st
         return math.ceil(problem.rate * tokens_per_request / (batch / cm.decode_time(batch, at)))
 
     at_prompt = 0
-    while at_prompt < plan.decode_batch_memory and cm.decode_time(at_prompt + 1, problem.prompt_len) <= problem.tpot_slo_s:
+    while (at_prompt < plan.decode_batch_memory
+           and cm.decode_time(at_prompt + 1, problem.prompt_len) <= problem.tpot_slo_s):
         at_prompt += 1
     decode = [
         (pool(plan.decode_batch_memory, problem.output_len - 1),
@@ -339,9 +340,9 @@ def check_instance_plan(num_prefill: object, num_decode: object) -> None:
                      "context, and the KV memory), the tokens per second that batch produces, and the tokens "
                      "per second the pool must produce.")
     naive_p = math.ceil(p.rate * plan.prefill_time_s)
+    ttft_ms, naive_ms = (sig(md1_ttft(p.rate / n, plan.prefill_time_s) * 1e3) for n in (plan.num_prefill, naive_p))
     passed(f"Exercise 7.4: prefill takes {sig(plan.prefill_time_s * 1e3)} ms per prompt → {plan.num_prefill} "
-           f"prefill instances (M/D/1 mean TTFT {sig(md1_ttft(p.rate / plan.num_prefill, plan.prefill_time_s) * 1e3)} ms; "
-           f"{naive_p} would be {sig(md1_ttft(p.rate / naive_p, plan.prefill_time_s) * 1e3)} ms); decode batch "
+           f"prefill instances (M/D/1 mean TTFT {ttft_ms} ms; {naive_p} would be {naive_ms} ms); decode batch "
            f"{plan.decode_batch} (TPOT-bound; memory allows {plan.decode_batch_memory}) gives "
            f"{plan.decode_tok_per_s:,.0f} tokens/s per instance → {plan.num_decode} decode instances. "
            f"{plan.num_prefill}P + {plan.num_decode}D: simulate it to see the tail.")

@@ -368,7 +368,9 @@ def test_lab_config_reads_notebooks_with_the_running_kernels_metadata(tmp_path):
     from jupyter_client.kernelspec import KernelSpecManager
     from traitlets.config import Configurable
 
-    namespace = {"c": types.SimpleNamespace(ServerApp=types.SimpleNamespace())}
+    from traitlets.config import Config
+
+    namespace = {"c": Config()}          # what Jupyter hands a config file: any section may be set
     exec(compile((ROOT / ".jupyter" / "jupyter_server_config.py").read_text(), "jupyter_server_config.py", "exec"),
          namespace)
     manager_class = namespace["c"].ServerApp.contents_manager_class

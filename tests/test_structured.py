@@ -300,3 +300,17 @@ def test_the_simulator_refuses_a_grammar():
     with pytest.raises(ValueError, match="simulator"):
         engine.add_request([1, 2, 3], constrained("regex"))
     assert not engine.has_unfinished
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_mask_holds_and_jumps_change_nothing():
+    """The bitmask is filled on the CPU and applied on the GPU (XGrammar's Triton kernel)."""
+    outs = {}
+    for jump in (False, True):
+        llm = LLM("tiny-llama", num_blocks=128, device="cuda", jump_forward=jump)
+        outs[jump] = llm.generate(PROMPTS, constrained("json", max_tokens=64), use_tqdm=False)
+        for o in outs[jump]:
+            if o.outputs[0].finish_reason == "stop":
+                assert_valid("json", o.outputs[0].text)
+        assert_pool_whole(llm)
+    assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]

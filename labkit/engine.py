@@ -8,14 +8,15 @@ real generation all go through the same scheduler and block manager.
 An executor has one method, ``execute(plan) -> ExecuteResult``, and two attributes:
 ``simulated`` (whether its durations are modelled rather than measured) and
 ``vocab_size`` (token ids a prompt may hold). One that drafts (``ModelExecutor`` with
-jump-forward decoding on) also has ``jump``, whose drafts the engine fits around the
-scheduler (``labkit.structured.jump_forward``). Given a tokenizer, the engine also turns
+speculative or jump-forward decoding on) also has ``speculator``, whose guesses the engine
+fits around the scheduler (``labkit.spec_decode.speculator``). Given a tokenizer, the engine also turns
 tokens into text as they arrive and stops sequences at their stop strings, in the same
 iteration. Requests and sequences retire in one place, ``Scheduler.finish_sequence``.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from dataclasses import dataclass
@@ -140,12 +141,13 @@ class Engine:
         scheduler bug: nothing would ever change, and a caller's loop would hang)."""
         start = self.now
         t0 = time.perf_counter()
-        jump = getattr(self.executor, "jump", None)   # jump-forward decoding (labkit.structured.jump_forward)
-        if jump is not None:
-            jump.draft(self.scheduler)                # tokens a grammar forces join their sequences
+        spec = getattr(self.executor, "speculator", None)   # speculative decoding (labkit.spec_decode)
+        if spec is not None:
+            spec.stop_strings = self._stop_string_at
+            spec.draft(self.scheduler)                # guessed tokens join their sequences
         plan = self.scheduler.schedule(start)
-        if jump is not None:
-            jump.fit(plan)                            # drafts the plan gave no slot are taken back
+        if spec is not None:
+            spec.fit(plan, self.scheduler)            # guesses the plan gave no slot are taken back
         t1 = time.perf_counter()
         self.last_plan = plan
         if plan.is_empty:
@@ -159,8 +161,8 @@ class Engine:
             return []
         result = self.executor.execute(plan)
         t2 = time.perf_counter()
-        if jump is not None:                          # drafts the model disagreed with give their slots back
-            jump.settle(plan, keep_empty_blocks=self.scheduler.policy == "static")
+        if spec is not None:                          # rejected guesses give their slots back
+            spec.settle(plan, self.scheduler, keep_empty_blocks=self.scheduler.policy == "static")
         if self.executor.simulated:
             self._sim_now += result.duration_s
         end = self.now
@@ -176,7 +178,10 @@ class Engine:
         self.busy_s += end - start
         self.num_steps += 1
         if self.keep_records:
-            self.records.append(self.scheduler.make_record(plan, finished, start, end - start))
+            record = self.scheduler.make_record(plan, finished, start, end - start)
+            if spec is not None:
+                record.num_draft_tokens, record.num_accepted_tokens = spec.step_drafted, spec.step_accepted
+            self.records.append(record)
         return finished
 
     def run(self) -> None:
@@ -191,11 +196,19 @@ class Engine:
         detok = self._detok.get(seq.seq_id)
         if detok is None:
             detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer)
-        detok.add(seq.output_token_ids[len(detok.token_ids):])
+        new = seq.output_token_ids[len(detok.token_ids):]
         params = seq.request.params
         if not params.stop:
+            detok.add(new)
             return False
-        return self._cut_at_stop(seq, detok, seq.num_output_tokens >= params.min_tokens)
+        # One token at a time: a step that kept guessed tokens (speculative decoding) gains
+        # several, and min_tokens arms the stop strings at a token of its own.
+        before = seq.num_output_tokens - len(new)
+        for j, token in enumerate(new):
+            detok.add([token])
+            if self._cut_at_stop(seq, detok, before + j + 1 >= params.min_tokens):
+                return True
+        return False
 
     def _collect_deltas(self, plan: SchedulerOutput) -> None:
         """``deltas``: the text each sampled sequence gained in this iteration. Text that
@@ -229,6 +242,27 @@ class Engine:
             return False
         detok.text = detok.text[:cut]
         return True
+
+    def _stop_string_at(self, seq: Sequence, tokens: list[int]) -> int | None:
+        """The index of the first of ``tokens`` (guesses a step keeps, to follow ``seq``'s output
+        so far) after which ``seq``'s text holds a stop string, or None. Reads copies of its
+        detokenizer and stop automaton: the text state stays as it was (``update`` feeds them)."""
+        if self.tokenizer is None or not seq.request.params.stop:
+            return None
+        known = self._detok.get(seq.seq_id)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        if known is not None:
+            detok.token_ids, detok.text = list(known.token_ids), known.text
+            detok.prefix_offset, detok.read_offset = known.prefix_offset, known.read_offset
+        matcher = copy.copy(self._stops.get(seq.seq_id) or StopMatcher(seq.request.params.stop))
+        done = len(seq.output_token_ids) - len(tokens)    # the guesses are at the end of the sequence
+        detok.add(seq.output_token_ids[len(detok.token_ids):done])
+        min_tokens = seq.request.params.min_tokens
+        for j, token in enumerate(tokens):
+            detok.add([token])
+            if matcher.feed(detok.text, done + j + 1 >= min_tokens) is not None:
+                return j
+        return None
 
     def _stop_prefix_len(self, seq: Sequence) -> int:
         """Length of the longest tail of ``seq``'s text that could still become a stop
@@ -275,7 +309,18 @@ class Engine:
             "num_generated_tokens": s.num_generated_tokens,
             "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
             "num_steps": self.num_steps,
+            **self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict:
+        """Speculative decoding's counters (``spec_decode_*``: drafts, drafted and accepted
+        tokens, acceptance rate, mean acceptance length), when the executor speculates."""
+        config = getattr(self.executor, "speculative_config", None)
+        if config is None:
+            return {}
+        stats = self.executor.speculator.stats
+        return {"spec_decode_method": config.method, "num_speculative_tokens": config.num_speculative_tokens,
+                **stats.as_dict()}
 
 
 def _check_grammar(executor: Executor, params: SamplingParams) -> None:

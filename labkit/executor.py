@@ -17,6 +17,13 @@ Seeded sampling is independent of batching and of preemption: each sampled token
 from a generator seeded by (request seed, sample index, position), so the same request
 gets the same tokens whatever else runs beside it, and a recomputed sequence continues
 exactly as it would have.
+
+Speculative decoding (``labkit.spec_decode``) and jump-forward decoding, its grammar-driven
+case, add guessed tokens at the end of a decoding sequence's chunk. The executor then returns
+logits at each of them and samples every guessed position as a step of its own would (its
+mask, its penalties, its generator); ``spec_decode.rejection`` decides which guesses stay.
+A model proposer drafts after the verification, for the next step, on slots reserved past
+the chunk.
 """
 
 from __future__ import annotations
@@ -29,16 +36,14 @@ import torch
 from .engine import ExecuteResult
 from .model.kv_cache import KVCache, swap_blocks
 from .model.runner import ModelRunner, SeqChunk
-from .model.sampler import PenaltyRow, SamplingRow, apply_penalties, logprob_entries, make_generator, sample
+from .model.sampler import (PenaltyRow, SamplingRow, apply_penalties, logprob_entries, make_generator,
+                            position_seed, probabilities, sample)
 from .scheduler import SchedulerOutput
+from .spec_decode import DraftJob, SpeculativeConfig, Speculator, accepted_prefix, build_proposer, speculative_sample
 from .structured.matchers import MaskRow
 
 
 _MAKING_GRAMMARS = threading.Lock()
-
-
-def _row_seed(seed: int, index: int, position: int) -> int:
-    return (seed * 1_000_003 + index * 10_007 + position) % (2**63 - 1)
 
 
 class ModelExecutor:
@@ -46,7 +51,8 @@ class ModelExecutor:
 
     simulated = False
 
-    def __init__(self, runner: ModelRunner, host_cache: KVCache | None = None, jump_forward: bool = False):
+    def __init__(self, runner: ModelRunner, host_cache: KVCache | None = None, jump_forward: bool = False,
+                 speculative_config: dict | SpeculativeConfig | None = None):
         self.runner = runner
         # Host blocks for preemption by swapping (None in recompute mode): indexed by the
         # scheduler's host allocator as the runner's KV cache is by its block allocator.
@@ -57,8 +63,16 @@ class ModelExecutor:
         self.tokenizer = runner.tokenizer
         self.vocab_size = runner.vocab_size
         self._grammars = None             # labkit.structured.GrammarMatchers, made by the first request that asks
+        # Speculative decoding (docs/speculative_decoding.md): the configured proposer, and the
+        # mechanism every proposer shares.
+        self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        config = self.speculative_config
+        self.proposer = None if config is None else build_proposer(
+            config, runner, host_cache.num_blocks if host_cache is not None else 0)
+        self._speculator = Speculator([], lambda: self._grammars,
+                                      None if config is None else config.disable_by_batch_size)
         # Jump-forward decoding for constrained requests (docs/structured_outputs.md): switch it on
-        # or off between steps; the drafter is made when both it and a grammar are there.
+        # or off between steps; its proposer is made when both it and a grammar are there.
         self.jump_forward = jump_forward
         self._jump = None
 
@@ -77,20 +91,32 @@ class ModelExecutor:
 
     @property
     def jump(self):
-        """The jump-forward drafter (``labkit.structured.jump_forward``) when ``jump_forward`` is
-        on and a constrained request has come; else None. The engine calls it around each step."""
+        """The jump-forward proposer (``labkit.structured.jump_forward``) when ``jump_forward`` is
+        on and a constrained request has come; else None."""
         if not self.jump_forward or self._grammars is None:
             return None
         if self._jump is None:
             from .structured.jump_forward import JumpForward
-            self._jump = JumpForward(self._grammars)
+            self._jump = JumpForward(self._grammars, self._speculator)
         return self._jump
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """The speculative-decoding mechanism (``labkit.spec_decode.Speculator``) with this step's
+        proposers: the grammar's (jump-forward) first, then the configured one; None when there
+        is none. The engine calls it around each step; its counters last the engine's life."""
+        proposers = [p for p in (self.jump, self.proposer) if p is not None]
+        if not proposers:
+            return None
+        self._speculator.proposers = proposers
+        return self._speculator
 
     def execute(self, plan: SchedulerOutput) -> ExecuteResult:
         t0 = time.perf_counter()
-        jump = self.jump
+        spec = self.speculator
         wants_prompt = [_prompt_targets(item) for item in plan.scheduled]
-        drafts = [jump.num_drafts(item) if jump is not None else 0 for item in plan.scheduled]
+        guesses = [spec.draft_of(item) if spec is not None else None for item in plan.scheduled]
+        drafts = [len(g.tokens) if g is not None else 0 for g in guesses]
         chunks = [SeqChunk(item.token_ids, item.num_computed_tokens, item.seq.block_table.block_ids,
                            item.num_samples > 0, item.is_prefill or item.num_new_tokens > 1,
                            all_logits=targets is not None or d > 0)
@@ -98,6 +124,9 @@ class ModelExecutor:
         if plan.swap_out or plan.swap_in:
             self._swap(plan)
         logits = self.runner.execute(chunks, plan.copies)
+        mirror = getattr(self.proposer, "mirror", None)
+        if mirror is not None:            # a draft model keeps its own cache in step with the target's
+            mirror(chunks, plan.copies)
         if self._grammars is not None:
             self._grammars.forget_finished()
         rows: list[SamplingRow] = []
@@ -125,14 +154,14 @@ class ModelExecutor:
                 continue
             params = item.seq.request.params
             for index in item.sample_indices:
-                # A jump's d drafted positions are sampled too, each as a step of its own would
-                # sample it (structured.jump_forward): the grammar's state after the drafts before
-                # it, the generator of its position.
+                # The d guessed positions are sampled too, each as a step of its own would sample
+                # it (spec_decode.rejection): the grammar's state after the guesses before it, the
+                # penalties counting them, the generator of its position.
                 for j in range(d + 1):
                     position = item.sample_position - d + j
                     gen = None
                     if params.seed is not None and not params.greedy:
-                        gen = make_generator(_row_seed(params.seed, index, position))
+                        gen = make_generator(position_seed(params.seed, index, position))
                     if params.needs_penalties:
                         penalized.append(len(rows))
                     if params.structured_outputs is not None:
@@ -141,8 +170,12 @@ class ModelExecutor:
                     rows.append(SamplingRow(params.temperature, params.top_p, params.top_k, gen, params.min_p))
                     row_of.append(end - 1 - d + j)
                     row_at.append((item, position))
+        # Sampled guesses (a draft's q known) are judged by rejection sampling, their rows
+        # apart; every other row is sampled as decoding samples it.
+        judged = [k for k, (item, g) in enumerate(zip(plan.scheduled, guesses))
+                  if g is not None and g.probs is not None and item.num_samples and not item.seq.request.params.greedy]
         sampled_flat: list[int] = []
-        table = None
+        table = processed = None
         if rows:
             identity = row_of == list(range(logits.shape[0]))
             table = logits if identity else logits[torch.tensor(row_of, device=logits.device)]
@@ -152,20 +185,28 @@ class ModelExecutor:
             if penalized:
                 processed = table.clone()
                 processed[penalized] = apply_penalties(table[penalized], _penalty_rows(row_at, penalized))
-            sampled_flat = sample(processed, rows)
-        # Each item's tokens, and the sampling rows that chose them: a jump keeps its drafts up
-        # to the first one its sample disagrees with, and that sample is the step's token.
+            sampled_flat = self._sample_plain(processed, rows, _rows_of(plan, drafts, judged))
+        # Each item's tokens, and the sampling rows that chose them: a sequence keeps its guesses
+        # up to the first one verification rejects, and the token sampled there is the step's.
         sampled: list[list[int]] = []
         chosen: list[list[tuple[int, int]]] = []      # per item: (sampling row, token) of each token it gains
         r = 0
         for k, item in enumerate(plan.scheduled):
             d = drafts[k]
             if d and item.num_samples:
-                draft = item.seq.token_ids[item.sample_position - d:item.sample_position]
-                got = sampled_flat[r:r + d + 1]
-                kept = next((j for j in range(d) if got[j] != draft[j]), d)
-                chosen.append([(r + j, t) for j, t in enumerate(draft[:kept] + [got[kept]])])
-                sampled.append([got[kept]])
+                draft = guesses[k].tokens
+                if k in judged:
+                    kept, token = speculative_sample(probabilities(processed[r:r + d + 1], rows[r:r + d + 1]),
+                                                     guesses[k].probs, draft,
+                                                     [row.generator for row in rows[r:r + d + 1]])
+                else:
+                    kept = accepted_prefix(draft, sampled_flat[r:r + d + 1])
+                    token = sampled_flat[r + kept]
+                stop = spec.first_finish(item.seq, draft[:kept]) if kept else None
+                if stop is not None:      # decoding would have ended at that guess: so does the step
+                    kept, token = stop, draft[stop]
+                chosen.append([(r + j, t) for j, t in enumerate(draft[:kept] + [token])])
+                sampled.append([token])
             else:
                 chosen.append([(r + j, sampled_flat[r + j]) for j in range(item.num_samples)])
                 sampled.append(sampled_flat[r:r + item.num_samples])
@@ -182,14 +223,39 @@ class ModelExecutor:
         logprobs = None                   # built only when a sampled request asks
         if any(item.num_samples and item.seq.request.params.logprobs is not None for item in plan.scheduled):
             logprobs = self._sample_logprobs(plan, table, chosen, drafts)
-        if jump is not None:
+        if spec is not None:
             for k, item in enumerate(plan.scheduled):
                 if drafts[k] and item.num_samples:
                     entries = logprobs[k] if logprobs is not None else None
-                    jump.verified(item.seq, len(chosen[k]) - 1, entries[:-1] if entries else None)
+                    spec.verified(item.seq, len(chosen[k]) - 1, chosen[k][-1][1], entries[:-1] if entries else None)
                     if entries:
                         logprobs[k] = entries[-1:]
+            if getattr(self.proposer, "needs_lookahead", False):
+                self._draft_next(plan, spec, drafts, chosen)
         return ExecuteResult(sampled, time.perf_counter() - t0, logprobs, prompt_lp)
+
+    def _sample_plain(self, processed: torch.Tensor, rows: list[SamplingRow], plain: list[int] | None) -> list[int]:
+        """Sample the rows in ``plain`` (None: all) as decoding does; other rows get 0 (rejection
+        sampling judges them)."""
+        if plain is None:
+            return sample(processed, rows)
+        out = [0] * len(rows)
+        if plain:
+            for r, t in zip(plain, sample(processed[plain], [rows[r] for r in plain])):
+                out[r] = t
+        return out
+
+    def _draft_next(self, plan: SchedulerOutput, spec: Speculator, drafts: list[int],
+                    chosen: list[list[tuple[int, int]]]) -> None:
+        """A model proposer's guesses for the next step, from each sequence's new token on, in
+        the lookahead slots the speculator reserved (``spec_decode.draft``)."""
+        jobs = []
+        for k, item in enumerate(plan.scheduled):
+            count = spec.lookahead_of(item.seq)
+            if count and chosen[k]:
+                kept, token = len(chosen[k]) - 1, chosen[k][-1][1]
+                jobs.append(DraftJob(item.seq, item.sample_position - drafts[k] + kept, token, count))
+        self.proposer.draft_next(jobs)
 
     def _swap(self, plan: SchedulerOutput) -> None:
         """Apply the plan's swaps before its copy-on-write copies and its batch: swap-out
@@ -202,6 +268,11 @@ class ModelExecutor:
         device = self.runner.kv_cache
         swap_blocks(device, self.host_cache, plan.swap_out, self.swap_granularity)
         swap_blocks(self.host_cache, device, plan.swap_in, self.swap_granularity)
+        draft_host = getattr(self.proposer, "host_cache", None)
+        if draft_host is not None:        # a draft model's cache moves with the target's
+            draft_cache = self.proposer.runner.kv_cache
+            swap_blocks(draft_cache, draft_host, plan.swap_out, self.swap_granularity)
+            swap_blocks(draft_host, draft_cache, plan.swap_in, self.swap_granularity)
         if device.data.device.type == "cuda":
             torch.cuda.synchronize(device.data.device)   # so that swap_s measures the copies
         self.swap_s += time.perf_counter() - t0
@@ -238,6 +309,19 @@ class ModelExecutor:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def _rows_of(plan: SchedulerOutput, drafts: list[int], judged: list[int]) -> list[int] | None:
+    """The sampling rows outside the ``judged`` items' (None when no item is judged: all rows)."""
+    if not judged:
+        return None
+    skip, r = set(), 0
+    for k, item in enumerate(plan.scheduled):
+        n = item.num_samples * (drafts[k] + 1)
+        if k in judged:
+            skip.update(range(r, r + n))
+        r += n
+    return [i for i in range(r) if i not in skip]
 
 
 def _penalty_rows(row_at: list[tuple], wanted: list[int]) -> list[PenaltyRow]:

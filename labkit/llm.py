@@ -32,6 +32,7 @@ from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput, error_
 from .request import Request, encode_prompt, is_token_id, split_prompt
 from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import POLICIES, PREEMPTION_MODES, make_scheduler
+from .spec_decode import SpeculativeConfig
 from .utils import progress_bar
 
 Prompt = str | list[int]
@@ -52,6 +53,10 @@ class LLM:
     ``jump_forward``: a request with ``structured_outputs`` gets the tokens its grammar forces
     drafted and verified in one step instead of one step each; the output is the same either
     way (docs/structured_outputs.md). Switch it later with ``llm.engine.executor.jump_forward``.
+    ``speculative_config`` (vLLM's dict): speculative decoding, e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 5}``, ``{"method": "draft_layers",
+    "num_layers": 8, "num_speculative_tokens": 3}`` or ``{"model": NAME, ...}``; the output is
+    the same, fewer steps produce it (docs/speculative_decoding.md).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, block_size: int = 16, num_blocks: int | None = None,
@@ -62,7 +67,7 @@ class LLM:
                  device: str | None = None, policy: str = "continuous", watermark: float = 0.01,
                  num_threads: int | None = None, preemption_mode: str = "recompute",
                  swap_space: float = 4.0, num_host_blocks: int | None = None,
-                 jump_forward: bool = True,
+                 jump_forward: bool = True, speculative_config: dict | None = None,
                  prefix_caching: bool | str | None = None):
         # Prefix caching: True or "hash" (vLLM's block hashes), "radix" (SGLang's radix tree),
         # False; ``prefix_caching=`` is the same option under the issue's shorter name.
@@ -83,6 +88,7 @@ class LLM:
         # "auto": fp32, or fp16 on a GPU below compute capability 8.0 (Colab's T4): resolve_dtype says why.
         torch_dtype, dtype_reason = resolve_dtype(dtype, device)
         _check_swap_args(preemption_mode, swap_space, num_host_blocks)
+        speculative_config = SpeculativeConfig.from_dict(speculative_config)   # refused before the model loads
 
         if kv_cache_memory is not None and (not isinstance(kv_cache_memory, int) or kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
@@ -110,8 +116,9 @@ class LLM:
                                    preemption_mode=preemption_mode if host_blocks else "recompute",
                                    num_host_blocks=host_blocks)
         host_cache = self.runner.kv_cache.host_pool(host_blocks) if host_blocks else None
-        self.engine = Engine(scheduler, ModelExecutor(self.runner, host_cache, jump_forward=jump_forward),
-                             tokenizer=self.tokenizer)
+        executor = ModelExecutor(self.runner, host_cache, jump_forward=jump_forward,
+                                 speculative_config=speculative_config)
+        self.engine = Engine(scheduler, executor, tokenizer=self.tokenizer)
         self._ids = itertools.count()
         print(f"labkit: {self._load_line(device, dtype_reason)}; KV cache {self.runner.num_blocks} blocks x "
               f"{block_size} tokens ({size_text(self.runner.kv_cache.nbytes)}): {self.kv_plan.how}", file=sys.stderr)

@@ -19,6 +19,7 @@ gate and up projections of the MLP.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -391,15 +392,21 @@ class LlamaModel(nn.Module):
                 m.pack()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, ops, logits_indices: torch.Tensor) -> torch.Tensor:
-        """``input_ids``/``positions``: ``[num_tokens]``. Returns logits ``[len(logits_indices), vocab]``."""
+                kv_cache: KVCache, ops, logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        """``input_ids``/``positions``: ``[num_tokens]``. Returns logits ``[len(logits_indices), vocab]``.
+
+        ``num_layers``: run only the first ``num_layers`` decoder layers, then the final norm and
+        the LM head (an early exit: speculative decoding's self-drafting, as LayerSkip). Those
+        layers read and write their own K/V in ``kv_cache``, the full model's: the other
+        layers' K/V of these tokens is left as it was."""
         h = F.embedding(input_ids, self.embed_weight)
         # the fused rotation (CPU backend) computes in fp32 from fp32 tables, [tokens, d / 2]
         fused = getattr(ops, "fused", None) is not None
         cos, sin = self.rotary.tables(positions, torch.float32 if fused else h.dtype)
         residual = None
+        layers = zip(self.layers, kv_cache.k_caches, kv_cache.v_caches)
         with meta.checked(kv_cache):  # once here, not in each layer's kernels
-            for layer, k_cache, v_cache in zip(self.layers, kv_cache.k_caches, kv_cache.v_caches):
+            for layer, k_cache, v_cache in itertools.islice(layers, num_layers):
                 h, residual = layer(h, residual, cos, sin, meta, k_cache, v_cache, ops)
         # Only the tokens whose next-token distribution is wanted go through the norm and the head.
         last = residual[logits_indices] + h[logits_indices]

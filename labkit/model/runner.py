@@ -237,14 +237,19 @@ class ModelRunner:
 
     # -----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk], copies: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        """Run one iteration. Returns fp32 logits ``[num chunks with compute_logits, vocab]`` in chunk order."""
+    def execute(self, chunks: list[SeqChunk], copies: list[tuple[int, int]] | None = None,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Run one iteration. Returns fp32 logits ``[num chunks with compute_logits, vocab]`` in chunk order.
+        ``num_layers``: only the first layers and the LM head (a self-speculative draft,
+        ``LlamaModel.forward``); None runs the whole model."""
         if copies:
             self.kv_cache.copy_blocks(copies)
         if not chunks:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if num_layers is not None and not 1 <= num_layers <= self.spec.num_layers:
+            raise ValueError(f"num_layers={num_layers}: the model has {self.spec.num_layers} layers")
         input_ids, positions, meta, logits_indices = self.prepare(chunks)
-        logits = self.model(input_ids, positions, meta, self.kv_cache, self.ops, logits_indices)
+        logits = self.model(input_ids, positions, meta, self.kv_cache, self.ops, logits_indices, num_layers)
         return logits.float()
 
     def prepare(self, chunks: list[SeqChunk]):

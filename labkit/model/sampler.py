@@ -53,6 +53,14 @@ def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
     return torch.Generator(device=device).manual_seed(int(seed))
 
 
+def position_seed(seed: int, index: int, position: int) -> int:
+    """The seed of the generator that samples position ``position`` of sample ``index`` of a
+    request seeded with ``seed``: one generator per token, so a seeded request gets the same
+    tokens whatever else runs beside it, after a preemption, and with speculative decoding
+    (each drafted position is sampled by the generator a step of its own would use)."""
+    return (seed * 1_000_003 + index * 10_007 + position) % (2**63 - 1)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """One token id per row of ``logits`` ``[B, V]``, following each row's settings."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -103,17 +111,27 @@ def probabilities(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    probs = probabilities(logits, rows)
-    # One uniform per row, from the row's own generator when it has one.
-    u = torch.empty(len(rows), dtype=torch.float64)
-    shared = [i for i, r in enumerate(rows) if r.generator is None]
+    return inverse_cdf(probabilities(logits, rows), uniforms([r.generator for r in rows]))
+
+
+def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One uniform number in [0, 1) per entry (float64), from its own generator when it has
+    one, else from torch's global one."""
+    u = torch.empty(len(generators), dtype=torch.float64)
+    shared = [i for i, g in enumerate(generators) if g is None]
     if shared:
         u[shared] = torch.rand(len(shared), dtype=torch.float64)
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator, device=r.generator.device).item()
-    # Inverse CDF: the first token whose cumulative probability exceeds u (zero-probability
-    # tokens never qualify: their cumulative sum does not move).
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).item()
+    return u
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` ``[B, V]`` (each summing to 1, or any positive total: rows are
+    scaled by their sum), the token that the uniform ``u[i]`` picks: the first whose
+    cumulative probability exceeds it. Zero-probability tokens never qualify (their
+    cumulative sum does not move)."""
     cdf = probs.double().cumsum(dim=-1)
     u = u.to(cdf.device)[:, None] * cdf[:, -1:]
     idx = torch.searchsorted(cdf, u, right=True).squeeze(1)

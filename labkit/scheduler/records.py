@@ -135,6 +135,10 @@ class StepRecord:
     # Blocks the sequences holding blocks would hold if nothing were shared: the sum of their
     # block tables' lengths. Blocks saved by sharing = num_logical_blocks - num_used_blocks.
     num_logical_blocks: int = 0
+    # Speculative decoding (labkit.spec_decode): guessed tokens verified in this iteration, and
+    # how many of them were kept (the engine fills them in; 0 without speculation).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def step_record(sched: Scheduler, output: SchedulerOutput, finished: list[Request],

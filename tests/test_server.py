@@ -245,7 +245,7 @@ def test_openai_client(server):
 
 def test_disconnect_mid_stream_frees_blocks(server):
     before = metrics(server.url)
-    body = {"model": MODEL, "prompt": "a long story " * 8, "max_tokens": 480, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": "a long story " * 8, "max_tokens": 400, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.Client(timeout=TIMEOUT) as http:
         with http.stream("POST", server.base_url + "/completions", json=body) as r:
@@ -258,7 +258,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
         # leaving the block closes the connection mid-stream
     after = wait_until_idle(server.url)
     assert after["labkit_requests_aborted_total"] == before["labkit_requests_aborted_total"] + 1
-    assert after["labkit_generation_tokens_total"] - before["labkit_generation_tokens_total"] < 480
+    assert after["labkit_generation_tokens_total"] - before["labkit_generation_tokens_total"] < 400
 
 
 # ---- errors ---------------------------------------------------------------------------
@@ -350,7 +350,9 @@ def test_bad_requests_while_a_long_request_streams(small_server):
     assert m['labkit_http_errors_total{status="404"}'] == 1
     assert m['labkit_http_errors_total{status="429"}'] == 1
     assert m['labkit_requests_rejected_total{reason="queue_full"}'] == 1
-    assert m['labkit_requests_rejected_total{reason="invalid"}'] >= 3    # rejected by the engine
+    # the engine refuses token ids out of range; a prompt over the context never reaches it
+    # (the server counts its tokens first and answers as OpenAI does)
+    assert m['labkit_requests_rejected_total{reason="invalid"}'] >= 1
     assert m["labkit_requests_aborted_total"] == 1
 
 

@@ -623,3 +623,19 @@ def test_joins_grader_names_overwritten_context(position, junk, match):
     args[position] = junk
     with pytest.raises(AssertionError, match=match):
         S.check_joins(*args)
+
+
+def test_8_2_live_step_records_cross_to_the_grading_process_as_facts(capsys):
+    """The gradebook judges 8.2 outside the kernel from ``plain_arguments``: a list of the
+    engine's StepRecords (live objects) must cross as their facts, not as stand-ins, so that a
+    right answer passes there too, and a wrong one still fails."""
+    import json
+    right_answers = _joins()
+    plain = json.loads(json.dumps(S.check_joins.plain_arguments(*right_answers)))
+    assert all(isinstance(rec, dict) and "ran" in rec for rec in plain["args"][2])
+    S.check_joins(*plain["args"], **plain["kwargs"])
+    assert capsys.readouterr().out.startswith("✓")
+    wrong_answers = ({k: v + 1 for k, v in right_answers[0].items()}, *right_answers[1:])
+    plain = json.loads(json.dumps(S.check_joins.plain_arguments(*wrong_answers)))
+    with pytest.raises(AssertionError):
+        S.check_joins(*plain["args"], **plain["kwargs"])

@@ -175,7 +175,7 @@ def graded(exercise: str, *, plain: Mapping[str, Callable[[object], object]] | N
     ``plain`` maps a parameter that may hold a live object (the engine, its step records) to
     the function that extracts the plain facts the grader needs from it. The grader's body
     only ever sees those facts: a live argument is converted first (a Mapping or list is taken
-    as facts already), and ``wrapper.plain_arguments(*args, **kwargs)`` returns every argument
+    as facts already, and so is a list of Mappings), and ``wrapper.plain_arguments(*args, **kwargs)`` returns every argument
     as JSON-ready data (see the module docstring)."""
     extractors = dict(plain or {})
 
@@ -184,7 +184,7 @@ def graded(exercise: str, *, plain: Mapping[str, Callable[[object], object]] | N
 
         def facts(bound: inspect.BoundArguments) -> inspect.BoundArguments:
             for name, value in bound.arguments.items():
-                if name in extractors and not isinstance(value, (Mapping, list)):
+                if name in extractors and not _already_plain(value):
                     bound.arguments[name] = extractors[name](value)
                 else:
                     bound.arguments[name] = from_plain(value)
@@ -214,7 +214,7 @@ def graded(exercise: str, *, plain: Mapping[str, Callable[[object], object]] | N
             bound = signature.bind(*args, **kwargs)
             out = {}
             for name, value in bound.arguments.items():
-                if name in extractors and not isinstance(value, (Mapping, list)):
+                if name in extractors and not _already_plain(value):
                     try:
                         value = extractors[name](value)
                     except (AssertionError, NotImplementedError):
@@ -228,6 +228,14 @@ def graded(exercise: str, *, plain: Mapping[str, Callable[[object], object]] | N
         wrapper.exercise = exercise                      # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
     return decorate
+
+
+def _already_plain(value: object) -> bool:
+    """Whether an argument that has an extractor holds its plain facts already: a Mapping, or a
+    list of Mappings (8.2's records as JSON). A list of live objects (StepRecords) is not."""
+    if isinstance(value, Mapping):
+        return True
+    return isinstance(value, list) and all(isinstance(item, Mapping) for item in value)
 
 
 def _could_not_grade(exercise: str, e: Exception) -> str:

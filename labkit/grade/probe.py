@@ -28,11 +28,9 @@ import json
 
 MAX_BYTES = 4 << 20          # an answer (or a code answer's outputs) larger than this is not handed in
 #: IN-KERNEL: graders judged in the student's kernel, their verdict handed in, until they read
-#: plain data right. check_joins (8.2): its ``plain_arguments`` takes any list as plain facts
-#: already, so a list of StepRecords crosses as stand-ins and a right answer fails (issue 27:
-#: run the extractor on a list whose items are not Mappings). The grading process accepts a
-#: verdict for these graders only.
-IN_KERNEL = frozenset({"labkit.exercises.serving:check_joins"})
+#: plain data right. None today; a grader named here is the only kind whose verdict the grading
+#: process accepts from a kernel.
+IN_KERNEL: frozenset[str] = frozenset()
 
 
 def observations(module: str | None = None, name: str | None = None) -> list[str]:

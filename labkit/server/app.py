@@ -364,12 +364,12 @@ def create_app(engine: AsyncEngine, served_model_name: str | None = None, *,
         before any is queued, and a refusal by the engine (the queue full) aborts those
         already queued."""
         chat = parsed.chat
-        prompts = []                   # every prompt fits in the context, or none is queued
-        for prompt in parsed.prompts:
-            text, ids = await _tokenize(prompt, chat)
-            prompts.append((text, ids, _fit_context(parsed, len(ids))))
         streams: list[RequestStream] = []
         try:
+            prompts = []               # every prompt fits in the context, or none is queued
+            for prompt in parsed.prompts:
+                text, ids = await _tokenize(prompt, chat)
+                prompts.append((text, ids, _fit_context(parsed, len(ids))))
             for i, (text, ids, params) in enumerate(prompts):
                 request_id = rid if len(parsed.prompts) == 1 else f"{rid}-{i}"
                 streams.append(await engine.add_request(text if text is not None else ids, params, request_id,

@@ -7,8 +7,10 @@
 * ``BackgroundServer``: the server on a thread (notebooks, tests), on a free loopback port;
 * ``python -m labkit serve``: the same in the foreground;
 * for a class sharing one server (``docs/classroom.md``): ``KeyRing``/``load_keys`` (API
-  keys, ``auth.py``), ``Limits`` (per-key cap, max_tokens, body size, timeouts,
-  ``limits.py``) and the admission gate in front of the engine (``fairness.py``).
+  keys, ``auth.py``), ``Limits`` (per-key cap, max_tokens, what one request may ask for
+  each iteration, body size, timeouts, ``limits.py``), the admission gate in front of the
+  engine (``fairness.py``), a prefix-cache namespace per key (a cache salt, ``app.py``) and
+  the startup heap kept out of the garbage collector's way (``heap.py``).
 
 FastAPI and uvicorn come with ``pip install 'labkit[serve]'``; they load when the app is
 first built, so ``AsyncEngine`` alone needs neither.

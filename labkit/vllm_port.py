@@ -59,7 +59,7 @@ LOG_TAIL_CHARS = 3000
 SAMPLING_FIELDS = {name: name for name in (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "stop_token_ids",
     "ignore_eos", "min_tokens", "logprobs", "prompt_logprobs", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logit_bias")}
+    "frequency_penalty", "repetition_penalty", "logit_bias", "structured_outputs")}
 
 
 class VLLMUnavailable(RuntimeError):
@@ -138,7 +138,11 @@ def sampling_kwargs(params: SamplingParams) -> dict:
     missing = [f.name for f in fields(params) if f.name not in SAMPLING_FIELDS]
     if missing:
         raise ValueError(f"SamplingParams field(s) {missing} have no counterpart in vLLM's SamplingParams")
-    return {SAMPLING_FIELDS[f.name]: getattr(params, f.name) for f in fields(params)}
+    kwargs = {SAMPLING_FIELDS[f.name]: getattr(params, f.name) for f in fields(params)}
+    if params.structured_outputs is not None:   # vLLM's StructuredOutputsParams has the same field names
+        so = params.structured_outputs
+        kwargs["structured_outputs"] = {f.name: getattr(so, f.name) for f in fields(so)}
+    return kwargs
 
 
 def model_dir(model: str) -> str:
@@ -355,6 +359,9 @@ def _generate_child(job_path: str, out_path: str) -> int:
     for kw in job["params"]:           # JSON made the token ids of logit_bias strings
         if kw.get("logit_bias"):
             kw["logit_bias"] = {int(t): b for t, b in kw["logit_bias"].items()}
+        if kw.get("structured_outputs") is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+            kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
     llm = vllm.LLM(job["model"], **job["engine_args"])
     try:
         arrival = time.time()

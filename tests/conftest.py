@@ -20,6 +20,10 @@ except ImportError:          # pragma: no cover - torch is a dependency
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The hostile class's attack cells are data for tests/test_grade_hostile.py, not tests: two of
+# them are named *_test.py, which pytest would otherwise collect.
+collect_ignore = ["grade_fixtures"]
+
 NO_GPU_REASON = "no CUDA GPU on this machine: compiled Triton kernels need one (CPU runs the interpreter tests)"
 
 

@@ -192,6 +192,8 @@ def test_make_dist_builds_a_wheel_with_every_subpackage(tmp_path):
         assert f"{package}/__init__.py" in names, f"{package} is missing from the wheel (pyproject's packages)"
     kernels = {p.name for p in (ROOT / "kernels").glob("*.py")}
     assert kernels <= {Path(n).name for n in names if n.startswith("labkit/kernels/")}
+    csrc = {p.name for p in (ROOT / "kernels" / "csrc").iterdir() if p.suffix in (".cpp", ".h")}
+    assert csrc <= {Path(n).name for n in names if n.startswith("labkit/kernels/csrc/")}, "a C++ source is missing"
     assert not any(n.startswith("kernels/") for n in names), "a top-level 'kernels' would shadow HF's package"
 
     # Installed alone, the wheel is the whole package: labkit and labkit.kernels import from it.

@@ -271,8 +271,9 @@ def test_llm_and_the_server_size_tiny_llamas_cache_by_its_context(capsys):
     assert "attention backend cpu as above" in again or "attention backend torch as above" in again
 
 
-def test_the_load_line_names_the_backend_once_per_process(capsys):
+def test_the_load_line_names_the_backend_once_per_process(capsys, monkeypatch):
     from labkit import LLM
+    monkeypatch.setattr(LLM, "_said", set())     # a fresh process: earlier tests loaded engines too
     LLM("tiny-llama", num_blocks=8, attention_backend="torch", dtype="float16")
     first = capsys.readouterr().err
     LLM("tiny-llama", num_blocks=8, attention_backend="torch", dtype="float16")

@@ -92,6 +92,17 @@ def test_every_sampling_field_maps_to_vllm():
     assert kw["logit_bias"] == {7: 2.0} and kw["top_k"] == 5 and kw["stop"] == ["\n"]
 
 
+def test_structured_outputs_go_as_vllms_fields():
+    """vLLM's StructuredOutputsParams has labkit's field names: they go as a plain dict (JSON to
+    the child), which builds vLLM's own object from it."""
+    from labkit import StructuredOutputsParams
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    kw = vllm_port.sampling_kwargs(SamplingParams(max_tokens=2, structured_outputs=so))
+    assert kw["structured_outputs"] == {f.name: getattr(so, f.name) for f in dataclasses.fields(so)}
+    assert kw["structured_outputs"]["choice"] == ["yes", "no"] and kw["structured_outputs"]["json"] is None
+    json.dumps(kw)
+
+
 def test_a_field_vllm_lacks_is_refused():
     @dataclasses.dataclass
     class Extended(SamplingParams):

@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     e.add_argument("--no-jump-forward", action="store_true",
                    help="decode the tokens a structured output's grammar forces one step each (same output, slower)")
+    e.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vllm serve takes it: e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (docs/speculative_decoding.md)')
     e.add_argument("--attention-backend", default="auto", choices=BACKENDS,
                    help="auto (default): Triton on a GPU of compute capability 7.5+, the CPU kernels on a CPU")
     e.add_argument("--dtype", default="auto",
@@ -154,6 +157,22 @@ def _access(args) -> tuple:
     return keys, limits
 
 
+def _speculative_config(text: str | None) -> dict | None:
+    """``--speculative-config``'s JSON object as a dict (None when not given); its keys are
+    checked when the engine is built. ``ValueError`` for text that is not a JSON object."""
+    if text is None:
+        return None
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not JSON ({e}): give an object such as "
+                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def build_kernels() -> int:
     """``python -m labkit kernels``: the CPU extension compiled (or found compiled) here.
     Exits 0 also where it cannot be built: the CPU backend then runs its Numba kernel."""
@@ -182,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     from .server.background import serve
     try:
         keys, limits = _access(args)           # before loading a model: fail fast
+        speculative_config = _speculative_config(args.speculative_config)
     except ValueError as e:
         print(f"labkit serve: {e}", file=sys.stderr)
         return 2
@@ -191,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
             attention_backend=args.attention_backend, dtype=args.dtype, jump_forward=not args.no_jump_forward,
+            speculative_config=speculative_config,
             max_waiting=None if args.max_waiting < 0 else args.max_waiting, step_delay_s=args.step_delay)
     except ValueError as e:
         print(f"labkit serve: {e}", file=sys.stderr)

@@ -66,7 +66,7 @@ class Sequence:
         self.logprobs: list | None = [] if wants else None
         self.cumulative_logprob: float | None = 0.0 if wants or request.beam is not None else None
         # A beam's next-token log-probabilities {token: logprob}, held until every beam of its
-        # request has its own: then they step together (Scheduler._beam_step).
+        # request has its own: then they step together (scheduler/beams.py, BeamGroups.step).
         self.beam_logprobs: dict[int, float] | None = None
 
     @property

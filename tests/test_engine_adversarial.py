@@ -231,7 +231,9 @@ def test_every_stats_key_is_documented_and_named_alike_everywhere():
 
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "stats.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", doc, flags=re.M))
-    llm = LLM("tiny-llama", num_blocks=16, block_size=8)
+    # An engine that speculates: its spec_decode_* keys come on top of every other engine's.
+    llm = LLM("tiny-llama", num_blocks=16, block_size=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     from labkit.server.async_engine import AsyncEngine
     with AsyncEngine(llm, start=False) as server:
         server_keys = set(server.stats())

@@ -42,6 +42,7 @@ from labkit.exercises import memory as M
 from labkit.exercises import prefix as P
 from labkit.exercises import sampling as SA
 from labkit.exercises import serving as S
+from labkit.exercises import structured as X
 from labkit.sim import TraceRequest, simulate
 
 # ---- plain facts standing in for the live objects -------------------------------------------------
@@ -215,6 +216,13 @@ EXERCISES = [
              [Part(0, "count", counts(0, 400)), Part(1, "count", counts(0, 400)), Part(2, "count", counts(0, 400))]),
     Exercise("10.2", P.check_eviction_order, lambda: (list(P._ex2_measured()[0]),),
              [Part(0, "sequence", lambda: [list(p) for p in itertools.permutations(range(P.EX2_POOL), 3)])]),
+    Exercise("12.1", X.check_allowed_tokens, lambda: tuple(set(X.ex1_expected()[n]) for n in X.EX1_TEXTS),
+             [Part(k, "set", lambda: [set(p) for n in range(len(X.EX1_VOCAB) + 1)
+                                      for p in itertools.combinations(range(len(X.EX1_VOCAB)), n)])
+              for k in range(len(X.EX1_TEXTS))]),
+    Exercise("12.3", X.check_jump_blocks, lambda: tuple(X.jump_blocks()[n] for n in ("blocks_during", "blocks_after",
+                                                                                  "tokens_gained")),
+             [Part(0, "count", counts(0, 60)), Part(1, "count", counts(0, 60)), Part(2, "count", counts(0, 60))]),
 ]
 BY_ID = {e.id: e for e in EXERCISES}
 
@@ -239,11 +247,14 @@ def with_part(exercise: Exercise, part: Part, value) -> list:
 
 
 def test_the_registry_covers_every_value_grader():
-    """Every grader of the modules above that takes values (not functions) is in ``EXERCISES``."""
+    """Every grader of the modules above that takes values (not functions) is in ``EXERCISES``: a
+    grader of code (12.2's ``token_allowed``) comes in two halves, ``probe`` and ``judge``."""
     graded = {e.grader for e in EXERCISES}
-    for module in (EN, M, B, D, S, SA, BM, P):
+    for module in (EN, M, B, D, S, SA, BM, P, X):
         for name in dir(module):
             f = getattr(module, name)
+            if getattr(f, "judge", None) is not None:
+                continue                                   # runs the student's function: judged in its own tests
             if name.startswith("check_") and getattr(f, "__module__", "") == module.__name__:
                 assert f in graded, f"{module.__name__}.{name} ({f.exercise}) is not in EXERCISES"
 
@@ -338,8 +349,9 @@ def test_wrong_answers_get_one_message_but_for_known_mistakes(exercise, part):
     generic, count = collections_mode(wrong)
     special = len(wrong) - count
     limit = KNOWN_MISTAKES_MAX + (len(wrong) // 50 if part.kind == "number" else 0)
+    others = sorted({lab for lab in wrong if lab != generic})[:6]
     assert special <= limit, (f"{exercise.id} answer {part.index}: {special} of {len(wrong)} wrong answers get a "
-                              "message of their own: " + "; ".join(sorted({lab for lab in wrong if lab != generic})[:6]))
+                              "message of their own: " + "; ".join(others))
     navigating = sorted({lab for lab in wrong if NAVIGATION.search(lab)})
     assert not navigating, f"{exercise.id}: hints that navigate: {navigating[:3]}"
 
@@ -458,9 +470,35 @@ def singleton_attack_cost(graded: dict[frozenset, str | None], items: list[str])
 
 @pytest.mark.parametrize("exercise, part", SET_PARTS, ids=[f"{e.id}-answer{p.index}" for e, p in SET_PARTS])
 def test_grouping_items_by_their_hints_is_no_faster_than_guessing(exercise, part):
+    """The attack against the same search with the hints ignored (every wrong pick read as one
+    "wrong"): the one-item picks first, then all the items, then the rest in random order. Where
+    the answer is one item (12.1 after a complete match: the end token alone) both find it among
+    the one-item picks; elsewhere the blind search costs what guessing does."""
     graded = {frozenset(x): lab for x, lab in labels(exercise.id, part.index)}
     items = sorted({item for pick in graded for item in pick})
-    assert singleton_attack_cost(graded, items) >= 0.9 * blind_cost(len(graded))
+    blind = singleton_attack_cost(ignoring_hints(graded), items)
+    assert blind >= min(blind_cost(len(graded)), len(items))
+    assert singleton_attack_cost(graded, items) >= 0.9 * blind
+
+
+def ignoring_hints(graded: dict[frozenset, str | None]) -> dict[frozenset, str | None]:
+    """The verdicts a search that ignores the hints reads: right, or one and the same "wrong"."""
+    return {pick: None if lab is None else "wrong" for pick, lab in graded.items()}
+
+
+@pytest.mark.parametrize("exercise, part", SET_PARTS, ids=[f"{e.id}-answer{p.index}" for e, p in SET_PARTS])
+def test_one_item_away_from_the_answer_gets_the_method_hint(exercise, part):
+    """The probe that found 12.1's leak: the right pick with one item added or taken away. A hint
+    of its own there (the end token mid-word, 12.1's empty word) would say which item to flip."""
+    graded = {frozenset(x): lab for x, lab in labels(exercise.id, part.index)}
+    generic, _ = collections_mode([lab for lab in graded.values() if lab is not None])
+    right = [pick for pick, lab in graded.items() if lab is None]
+    items = {item for pick in graded for item in pick}
+    for pick in right:
+        for item in items:
+            flipped = pick ^ {item}
+            if flipped in graded and graded[flipped] is not None:
+                assert graded[flipped] == generic, f"{exercise.id}: flipping {item!r}: {graded[flipped]}"
 
 
 def test_the_attacks_find_hints_that_navigate_or_name_items():

@@ -25,6 +25,7 @@ COMMANDS = {
     "sharing": "memory saved by sharing blocks: parallel sampling and beam search (paper's Figure 15; about 6 min)",
     "prefix": "prefix caching policies side by side: hash blocks vs radix tree vs none, per workload",
     "structured": "grammar-constrained decoding: mask cost, tok/s with and without, jump-forward, validity",
+    "spec": "speculative decoding (n-gram, draft layers) against none, by workload and batch size (minutes)",
     "startup": "how long the CLI's --help and labkit's imports take in a fresh process",
 }
 

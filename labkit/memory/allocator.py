@@ -15,17 +15,26 @@ Every block is in exactly one of three states, and the allocator keeps it so:
 Allocation and freeing are O(1): a stack of free ids (the sketch in the vLLM article pops
 from the front of a Python list, which is O(n) per call).
 
+Reference counts belong to the allocator alone: a block's count is the number of block
+tables that name it, and only the allocator's methods change it (``allocate`` sets 1,
+``incref`` and ``hold_cached`` add a holder, ``free`` drops one). Everybody else reads them
+(``ref_count``, or the read-only view ``ref_counts``). ``docs/architecture.md`` says who
+calls what.
+
 The prefix cache is a policy the allocator holds, chosen at construction
 (``enable_prefix_caching``): ``"hash"`` (vLLM's chained block hashes, ``HashPrefixCache``;
 ``True`` means this one) or ``"radix"`` (SGLang's radix tree, ``RadixTree``). Both keep
-their blocks here, with the same reference counts and the same three states; they differ in
-how a prompt finds its cached prefix and in which cached-free block is evicted first. Block
-tables and the scheduler call the same methods whichever policy runs.
+their blocks here, with the same reference counts and the same three states, and obey the
+same contract (``policy.PrefixCachePolicy``); they differ in how a prompt finds its cached
+prefix and in which cached-free block is evicted first.
 """
 
 from __future__ import annotations
 
-from .prefix_cache import CacheEntry, HashPrefixCache, prefix_cache_policy
+from typing import Sequence
+
+from .policy import PrefixCachePolicy, match_limit, prefix_cache_policy
+from .prefix_cache import CacheEntry, HashPrefixCache
 from .radix_cache import RadixTree
 
 
@@ -64,7 +73,7 @@ class BlockAllocator:
         self.num_filled_slots = 0              # sum of _fill over referenced blocks
         # Reversed so that the first allocations hand out ids 0, 1, 2, ...: easier to read in demos.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._cache: HashPrefixCache | RadixTree | None = (
+        self._cache: PrefixCachePolicy | None = (
             None if policy is None else HashPrefixCache(self) if policy == "hash" else RadixTree(self))
         # Counters for statistics and the widgets; plain ints, cheap to read.
         self.num_evictions = 0
@@ -73,9 +82,15 @@ class BlockAllocator:
 
     # ---- state ------------------------------------------------------------------------
     @property
-    def prefix_cache(self) -> HashPrefixCache | RadixTree | None:
+    def prefix_cache(self) -> PrefixCachePolicy | None:
         """The prefix-cache policy object (None when prefix caching is off)."""
         return self._cache
+
+    @property
+    def ref_counts(self) -> Sequence[int]:
+        """Every block's reference count, by block id: a read-only view (only the allocator
+        writes counts) for the policies, which read many per call."""
+        return self._ref_counts
 
     @property
     def radix(self) -> RadixTree | None:
@@ -205,43 +220,30 @@ class BlockAllocator:
         if self._cache is None:
             return []
         blocks = self._cache.acquire(token_ids, max_tokens, salt)
-        limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
-        self.num_cache_queries += len(blocks) + (len(blocks) < limit // self.block_size)
-        self.num_cache_hits += len(blocks)
+        limit = match_limit(len(token_ids), max_tokens)
+        self.record_lookups(len(blocks) + (len(blocks) < limit // self.block_size), len(blocks))
         return blocks
 
-    def lookup(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """Hash policy: find a cached block holding exactly ``token_ids`` under ``block_hash``.
+    def record_lookups(self, num_queries: int, num_hits: int) -> None:
+        """Count prefix-cache lookups of full blocks, and how many hit (``prefix_cache_hit_rate``)."""
+        self.num_cache_queries += num_queries
+        self.num_cache_hits += num_hits
 
-        On a hit the caller becomes a holder: the reference count goes up (a cached-free
-        block is revived out of the LRU). Returns the block id, or None on a miss.
-        """
-        self.num_cache_queries += 1
-        block_id = self.peek(block_hash, parent_hash, token_ids)
-        if block_id is None:
-            return None
-        self.num_cache_hits += 1
-        self.hold_cached(block_id)
-        return block_id
+    # The hash policy's own operations, by block hash (``HashPrefixCache.lookup``, ``peek``,
+    # ``register``), reachable here too; under another policy they raise ``TypeError``.
+    def lookup(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """``HashPrefixCache.lookup``: a hit makes the caller a holder. None when caching is off."""
+        return None if self._cache is None else self._hash_cache("lookup").lookup(block_hash, parent_hash, token_ids)
 
     def peek(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """Like ``lookup`` but changes nothing: for admission checks that may not admit."""
-        if self._cache is None:
-            return None
-        return self._hash_cache("peek").peek(block_hash, parent_hash, token_ids)
+        """``HashPrefixCache.peek``: a lookup that changes nothing. None when caching is off."""
+        return None if self._cache is None else self._hash_cache("peek").peek(block_hash, parent_hash, token_ids)
 
-    def register(self, block_id: int, block_hash: int, parent_hash: int,
-                 token_ids: tuple[int, ...]) -> bool:
-        """Hash policy: publish a full, referenced block in the prefix cache. Returns whether
-        it was added: a block whose hash is already cached elsewhere stays private (the first
-        one wins). False when prefix caching is off."""
-        if self._cache is None:
-            return False
-        cache = self._hash_cache("register")
-        self._check_id(block_id)
-        if self._ref_counts[block_id] == 0:
-            raise ValueError(f"block {block_id} is free; only held blocks can be cached")
-        return cache.register(block_id, block_hash, parent_hash, token_ids)
+    def register(self, block_id: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> bool:
+        """``HashPrefixCache.register``: file a held, full block under its hash. False when
+        caching is off."""
+        return self._cache is not None and self._hash_cache("register").register(
+            block_id, block_hash, parent_hash, token_ids)
 
     def _hash_cache(self, what: str) -> HashPrefixCache:
         if not isinstance(self._cache, HashPrefixCache):

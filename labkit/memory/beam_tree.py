@@ -5,7 +5,8 @@
 it extends. A beam named k times forks into k children (the first continues in place, the
 others are ``BlockTable.fork()``s sharing every block); a beam named by nobody dies and frees
 its blocks at once; then every live beam appends its new token, and the first of several
-beams to write into a shared, partly filled last block copies it (copy-on-write).
+beams to write into a shared, partly filled last block copies it (copy-on-write): the rule
+``beam_successors`` states, which the scheduler's beam step applies too.
 ``swap_out()`` moves every block the beams hold to the host pool, each shared block once
 (``BlockTable.copy_to``, as the scheduler's swaps do), and ``swap_in()`` brings them back.
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .allocator import BlockAllocator
+from .block_manager import beam_successors
 from .block_table import BlockTable
 
 
@@ -101,16 +103,18 @@ class BeamTree:
             raise ValueError(f"each surviving candidate must extend a live beam "
                              f"({', '.join(b.label for b in self.live)}); got {parents!r}")
         self.step_index += 1
-        dead = [b for b in self.live if b.label not in parents]
+        live = self.live
+        index = {b.label: i for i, b in enumerate(live)}
+        children = beam_successors(len(live), [index[p] for p in parents])
+        dead = [b for b, kids in zip(live, children, strict=True) if not kids]
         for beam in dead:                                   # deaths first: their blocks are free at once
             beam.table.free()
             beam.died = self.step_index
             self.num_deaths += 1
-        out, seen = [], set()
-        for label in parents:
+        out = []
+        for k, label in enumerate(parents):
             parent = self.beams[label]
-            if label not in seen:                           # the first child continues in place
-                seen.add(label)
+            if children[index[label]][0] == k:              # the first child continues in place
                 out.append(parent)
                 continue
             child = Beam(f"b{len(self.beams)}", label, self.step_index, parent.table.fork(),

@@ -26,10 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from labkit.utils import cdiv
-
 from .allocator import BlockAllocator
-from .block_table import BlockTable, CopyOnWrite
+from .block_table import BlockTable, CopyOnWrite, blocks_to_add, copies_on_write
 
 
 @dataclass(slots=True)
@@ -110,18 +108,16 @@ class BlockManager:
         for g in plan:
             table = g.table
             held, num_tokens = len(table.block_ids), table.num_tokens
-            if g.prefix is not None:
+            if g.prefix is not None:                # an empty table: it will hold the hit's blocks
                 held, num_tokens = len(g.prefix.blocks), g.prefix.num_tokens
             end = num_tokens + len(g.new_token_ids) + g.num_lookahead_tokens
-            need += max(0, cdiv(end, bs) - held)
-            if g.new_token_ids and num_tokens % bs:
-                key = (table.allocator is not alloc, table.block_ids[num_tokens // bs])
+            need += blocks_to_add(end, held, bs)
+            partial = table.partial_block()
+            if g.new_token_ids and partial is not None:
+                key = (table.allocator is not alloc, partial)
                 writers[key] = writers.get(key, 0) + 1
         for (moved, block), m in writers.items():
-            # m tables write into a partly filled block: each copies it while someone else
-            # still holds it, so all m copy if a holder outside them remains, else m - 1.
-            refs = holders[block] if moved else alloc.ref_count(block)
-            need += m if refs > m else m - 1
+            need += copies_on_write(m, holders[block] if moved else alloc.ref_count(block))
         return need
 
     def can_allocate(self, plan: Sequence[Growth], reserve: int = 0) -> bool:

@@ -10,6 +10,13 @@ less than one block. ``fork`` shares every block with a child (reference counts 
 appending into a shared, partly filled last block first copies it (copy-on-write) and
 reports ``(src, dst)`` so the executor can copy the KV data. Full blocks are never written
 again, so only the last block can ever need a copy.
+
+A table owns its ``block_ids`` and ``token_ids``; the allocator owns the blocks' reference
+counts (the table changes them only through ``allocate``, ``incref``, ``hold_cached`` and
+``free``). The prefix-cache policy keeps its per-table state here (``block_hashes``,
+``num_published_blocks``) and changes ``block_ids`` only through ``adopt_cached_block``.
+The scheduler grows tables through ``BlockManager.allocate_slots``, which counts with the
+same two rules as ``blocks_needed`` below (``blocks_to_add``, ``copies_on_write``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,19 @@ from labkit.utils import cdiv
 from .allocator import BlockAllocator, NoFreeBlocksError
 
 CopyOnWrite = tuple[int, int]   # (source block id, destination block id)
+
+
+def blocks_to_add(num_tokens: int, num_blocks: int, block_size: int) -> int:
+    """Blocks a table holding ``num_blocks`` must add to hold ``num_tokens`` tokens (0 if it can)."""
+    return max(0, cdiv(num_tokens, block_size) - num_blocks)
+
+
+def copies_on_write(num_writers: int, num_holders: int) -> int:
+    """Block copies made when ``num_writers`` tables write into one partly filled block that
+    ``num_holders`` tables hold (the writers among them). A writer copies the block while
+    another table still holds it: so all of them do when a holder outside them remains,
+    and all but the last otherwise (it finds the block its own by then)."""
+    return num_writers if num_holders > num_writers else num_writers - 1
 
 
 class BlockTable:
@@ -41,6 +61,7 @@ class BlockTable:
         self.block_size = allocator.block_size
         self.block_ids: list[int] = []
         self.token_ids: list[int] = []      # the tokens that have a slot, in order
+        # The prefix-cache policy's per-table state, written by the policy only:
         self.block_hashes: list[int] = []   # chained hashes of the full blocks (hash prefix cache)
         self.num_published_blocks = 0       # leading blocks inserted in the radix tree (radix cache)
         self.num_cached_tokens = 0          # leading tokens whose KV came from the prefix cache
@@ -67,14 +88,19 @@ class BlockTable:
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         """How many blocks ``append_tokens`` of that many tokens would take from the pool,
-        counting the copy of a shared last block. Changes nothing."""
+        counting the copy of a shared last block. Changes nothing. (One table's case of
+        ``BlockManager.blocks_needed``, by the same two rules.)"""
         if num_new_tokens <= 0:
             return 0
-        return self._missing_blocks(len(self.token_ids) + num_new_tokens) + self._last_block_is_shared()
+        partial = self.partial_block()
+        cow = 0 if partial is None else copies_on_write(1, self.allocator.ref_count(partial))
+        return blocks_to_add(len(self.token_ids) + num_new_tokens, len(self.block_ids), self.block_size) + cow
 
-    def _missing_blocks(self, num_tokens: int) -> int:
-        """Blocks to add so that the table holds ``num_tokens`` tokens in all (0 if it does)."""
-        return max(0, cdiv(num_tokens, self.block_size) - len(self.block_ids))
+    def partial_block(self) -> int | None:
+        """The partly filled block the next token goes into, or None when the next token
+        starts a new block: the only block a write may have to copy first."""
+        n = len(self.token_ids)
+        return self.block_ids[n // self.block_size] if n % self.block_size else None
 
     # ---- prefix caching ------------------------------------------------------------
     def reuse_cached_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
@@ -127,22 +153,20 @@ class BlockTable:
         alloc, bs = self.allocator, self.block_size
         start = len(self.token_ids)
         end = start + len(new)
-        shared = self._last_block_is_shared()
-        need = self._missing_blocks(end) + shared   # as blocks_needed counts them
+        need = self.blocks_needed(len(new))
         if need > alloc.num_free_blocks:
             raise NoFreeBlocksError(
                 f"appending {len(new)} tokens needs {need} blocks, only {alloc.num_free_blocks} are free")
         copies: list[CopyOnWrite] = []
-        if shared:
+        src = self.partial_block()
+        if src is not None and copies_on_write(1, alloc.ref_count(src)):
             # Copy-on-write: another table holds our partly filled last block. Writing into
             # it would change their sequence, so we take a private copy and drop our share.
-            index = start // bs
-            src = self.block_ids[index]
             dst = alloc.allocate()
             alloc.free(src)
-            self.block_ids[index] = dst
+            self.block_ids[start // bs] = dst
             copies.append((src, dst))
-        for _ in range(need - shared):
+        for _ in range(blocks_to_add(end, len(self.block_ids), bs)):
             self.block_ids.append(alloc.allocate())
         self.token_ids.extend(new)
         for b in range(start // bs, (end - 1) // bs + 1):
@@ -174,7 +198,7 @@ class BlockTable:
         the pool is short.
         """
         self._check_live()
-        need = self._missing_blocks(num_tokens)
+        need = blocks_to_add(num_tokens, len(self.block_ids), self.block_size)
         if need > self.allocator.num_free_blocks:
             raise NoFreeBlocksError(f"reserving {num_tokens} tokens needs {need} more blocks, "
                                     f"only {self.allocator.num_free_blocks} are free")
@@ -196,25 +220,28 @@ class BlockTable:
         if num_tokens < published:
             raise ValueError(f"truncate({num_tokens}): the first {published} tokens' blocks are in the prefix cache")
         old = len(self.token_ids)
-        if num_tokens == old:
-            return
         del self.token_ids[num_tokens:]
         keep, had = cdiv(num_tokens, bs), cdiv(old, bs)
         if num_tokens % bs:
             alloc.set_fill(self.block_ids[keep - 1], num_tokens % bs)
         for b in self.block_ids[keep:had]:
             alloc.set_fill(b, 0)
-            if free_empty_blocks:
-                alloc.free(b)
         if free_empty_blocks:
-            del self.block_ids[keep:had]
+            # Every block past the kept tokens is empty now, including blocks allocated ahead
+            # for slots that were never filled (a step's lookahead for guessed tokens).
+            for b in self.block_ids[keep:]:
+                alloc.free(b)
+            del self.block_ids[keep:]
 
-    def _last_block_is_shared(self) -> bool:
-        """Whether the block the next token goes into is partly filled and held by others."""
-        n = len(self.token_ids)
-        if n % self.block_size == 0:
-            return False
-        return self.allocator._ref_counts[self.block_ids[n // self.block_size]] > 1
+    def adopt_cached_block(self, index: int, block_id: int) -> None:
+        """Hold the prefix cache's ``block_id`` as logical block ``index``, in place of this
+        table's own copy of the same tokens, which goes back to the pool. The radix policy
+        does this when two tables computed the same prefix at once: the tokens, and so the
+        K/V, are the same; only where they live changes."""
+        own = self.block_ids[index]
+        self.allocator.hold_cached(block_id)
+        self.allocator.free(own)
+        self.block_ids[index] = block_id
 
     # ---- sharing and release -------------------------------------------------------
     def fork(self) -> "BlockTable":

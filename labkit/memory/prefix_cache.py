@@ -27,6 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
+from .policy import POLICIES, match_limit, prefix_cache_policy  # noqa: F401 (re-exported: they lived here)
+
 if TYPE_CHECKING:   # type hints only: the allocator imports this module
     from .allocator import BlockAllocator
     from .block_table import BlockTable
@@ -42,17 +44,6 @@ def root_hash(salt: str | None = None) -> int:
     h = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"labkit-salt")
     return int.from_bytes(h.digest(), "little")
 
-# The values ``enable_prefix_caching`` takes, and the policy each means.
-POLICIES = {False: None, None: None, "none": None, True: "hash", "hash": "hash", "radix": "radix"}
-
-
-def prefix_cache_policy(value: bool | str | None) -> str | None:
-    """``"hash"``, ``"radix"`` or None (off) for an ``enable_prefix_caching`` value:
-    True means the hash cache (vLLM's), False or None turns caching off."""
-    try:
-        return POLICIES[value]
-    except (KeyError, TypeError):
-        raise ValueError(f"enable_prefix_caching must be True, False, 'hash' or 'radix', got {value!r}") from None
 
 
 @dataclass(slots=True)
@@ -76,14 +67,17 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 
 def hash_full_blocks(token_ids: Sequence[int], block_size: int, max_tokens: int | None = None,
-                     salt: str | None = None) -> Iterator[tuple[int, int, tuple[int, ...]]]:
+                     salt: str | None = None, *, first_block: int = 0,
+                     parent_hash: int | None = None) -> Iterator[tuple[int, int, tuple[int, ...]]]:
     """Walk the chain: yield ``(hash, parent hash, tokens)`` of each full block within the
     first ``max_tokens`` tokens (all of them when None), in order, starting from
-    ``root_hash(salt)``. A partial tail is not hashed: only full blocks are ever shared.
-    Lazy, so a lookup that misses at block ``i`` hashes no further."""
-    limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-    parent = root_hash(salt)
-    for start in range(0, limit - block_size + 1, block_size):
+    ``root_hash(salt)``; or from block ``first_block`` on, ``parent_hash`` being the hash of
+    the block before it (a table extending the chain it has). A partial tail is not hashed:
+    only full blocks are ever shared. Lazy, so a lookup that misses at block ``i`` hashes no
+    further. The one walk of the chain: lookups, publication and ``RadixTree.entry`` use it."""
+    limit = match_limit(len(token_ids), max_tokens)
+    parent = root_hash(salt) if parent_hash is None else parent_hash
+    for start in range(first_block * block_size, limit - block_size + 1, block_size):
         block = tuple(token_ids[start:start + block_size])
         block_hash = hash_block(parent, block)
         yield block_hash, parent, block
@@ -113,7 +107,7 @@ class HashPrefixCache:
         self._entries: dict[int, CacheEntry] = {}          # block id -> what it caches
         self._by_hash: dict[int, int] = {}                 # block hash -> block id
 
-    # ---- lookups ----------------------------------------------------------------------
+    # ---- the hash policy's own operations: one block, by its hash ---------------------
     def peek(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
         """The block cached under ``block_hash`` if it holds exactly these tokens after this
         parent, else None. Changes nothing."""
@@ -125,6 +119,27 @@ class HashPrefixCache:
             return None   # a hash collision: never share KV on the hash alone
         return block_id
 
+    def lookup(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """``peek``, and on a hit the caller becomes a holder (a cached-free block is revived).
+        Counted in the allocator's hit rate. Returns the block id, or None on a miss."""
+        block_id = self.peek(block_hash, parent_hash, token_ids)
+        self._alloc.record_lookups(1, block_id is not None)
+        if block_id is not None:
+            self._alloc.hold_cached(block_id)
+        return block_id
+
+    def register(self, block_id: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> bool:
+        """File a full, held block under its chained hash. Returns whether it was added: a
+        block whose hash is already cached elsewhere stays private (the first one wins)."""
+        if self._alloc.ref_count(block_id) == 0:
+            raise ValueError(f"block {block_id} is free; only held blocks can be cached")
+        if block_hash in self._by_hash or block_id in self._entries:
+            return False
+        self._entries[block_id] = CacheEntry(block_hash, parent_hash, token_ids)
+        self._by_hash[block_hash] = block_id
+        return True
+
+    # ---- the policy contract (``policy.PrefixCachePolicy``) -----------------------------
     def match(self, token_ids: Sequence[int], max_tokens: int | None = None, salt: str | None = None) -> list[int]:
         """The cached blocks of the prompt's hash chain (from ``root_hash(salt)``), up to
         the first miss. Changes nothing."""
@@ -147,25 +162,16 @@ class HashPrefixCache:
         """``table`` was just filled by ``acquire``: its hash chain is the blocks' hashes."""
         table.block_hashes = [self._entries[b].block_hash for b in table.block_ids]
 
-    # ---- publication ------------------------------------------------------------------
     def publish(self, table: BlockTable, num_computed_tokens: int) -> None:
         """File every full block within the first ``num_computed_tokens`` tokens of
         ``table`` under its chained hash (from ``root_hash(table.salt)``), in order (a block
         already filed elsewhere under the same hash stays private: the first one wins)."""
-        bs = self.block_size
-        for b in range(len(table.block_hashes), num_computed_tokens // bs):
-            block = tuple(table.token_ids[b * bs:(b + 1) * bs])
-            parent = table.block_hashes[b - 1] if b else root_hash(table.salt)
-            block_hash = hash_block(parent, block)
-            table.block_hashes.append(block_hash)
-            self._alloc.register(table.block_ids[b], block_hash, parent, block)
-
-    def register(self, block_id: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> bool:
-        if block_hash in self._by_hash or block_id in self._entries:
-            return False
-        self._entries[block_id] = CacheEntry(block_hash, parent_hash, token_ids)
-        self._by_hash[block_hash] = block_id
-        return True
+        chain = table.block_hashes
+        for block_hash, parent, block in hash_full_blocks(
+                table.token_ids, self.block_size, num_computed_tokens, table.salt,
+                first_block=len(chain), parent_hash=chain[-1] if chain else None):
+            self.register(table.block_ids[len(chain)], block_hash, parent, block)
+            chain.append(block_hash)
 
     # ---- state and eviction -----------------------------------------------------------
     def is_cached(self, block_id: int) -> bool:

@@ -61,7 +61,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from .prefix_cache import ROOT_HASH, CacheEntry, hash_block, root_hash
+from .policy import match_limit
+from .prefix_cache import ROOT_HASH, CacheEntry, hash_full_blocks, root_hash
 
 if TYPE_CHECKING:   # memory knows its allocator; the import is for type hints only
     from .allocator import BlockAllocator
@@ -108,7 +109,7 @@ class RadixTree:
 
     def __init__(self, allocator: BlockAllocator):
         self._alloc = allocator
-        self._refs = allocator._ref_counts          # shared list: the allocator's counts
+        self._refs = allocator.ref_counts           # the allocator's counts (a read-only view)
         self.block_size = allocator.block_size
         self.root = RadixNode((), [], None)
         self._roots: dict[int, RadixNode] = {ROOT_HASH: self.root}     # one tree per salt, by its hash
@@ -169,11 +170,8 @@ class RadixTree:
         top = node
         while top.parent is not None:
             top = top.parent
-        parent = top.root_hash
-        for start in range(0, end - bs, bs):
-            parent = hash_block(parent, path[start:start + bs])
-        block = tuple(path[end - bs:end])
-        return CacheEntry(hash_block(parent, block), parent, block)
+        *_, (block_hash, parent, block) = hash_full_blocks(path[:end], bs, parent_hash=top.root_hash)
+        return CacheEntry(block_hash, parent, block)
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None,
                      salt: str | None = None) -> tuple[int, list[int]]:
@@ -182,7 +180,7 @@ class RadixTree:
         blocks = self.match(token_ids, max_tokens, salt)
         return len(blocks) * self.block_size, blocks
 
-    # ---- the policy interface the allocator and block tables use ------------------------
+    # ---- the policy contract (``policy.PrefixCachePolicy``) -----------------------------
     def match(self, token_ids: Sequence[int], max_tokens: int | None = None, salt: str | None = None) -> list[int]:
         """The blocks of the longest cached whole-block prefix (in ``salt``'s tree). Changes nothing."""
         blocks: list[int] = []
@@ -226,7 +224,7 @@ class RadixTree:
         if upto <= table.num_published_blocks:
             return
         self._clock += 1
-        tokens, ids, alloc = table.token_ids, table.block_ids, self._alloc
+        tokens, ids = table.token_ids, table.block_ids
         key = root_hash(table.salt)
         node, i = self._roots.get(key), 0
         if node is None:                           # the salt's first block: its tree begins
@@ -248,11 +246,8 @@ class RadixTree:
             if k < len(child.block_ids):
                 child = self._split(child, k)
             for j, tree_block in enumerate(child.block_ids):
-                own = ids[i + j]
-                if own != tree_block:    # the same prefix computed twice: keep the tree's copy
-                    alloc.hold_cached(tree_block)
-                    alloc.free(own)
-                    ids[i + j] = tree_block
+                if ids[i + j] != tree_block:    # the same prefix computed twice: keep the tree's copy
+                    table.adopt_cached_block(i + j, tree_block)
                     self.num_deduplicated += 1
             child.last_access = self._clock
             node, i = child, i + k
@@ -364,7 +359,7 @@ class RadixTree:
         """The matched path in ``salt``'s tree: ``(node, blocks matched in it)``, only the
         last one partial."""
         bs = self.block_size
-        limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
+        limit = match_limit(len(token_ids), max_tokens)
         limit -= limit % bs
         path, node, pos = [], self._roots.get(root_hash(salt)), 0
         while node is not None and pos < limit:

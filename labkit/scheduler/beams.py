@@ -61,9 +61,9 @@ class BeamGroups:
         sched = self.scheduler
         hits = [sched.blocks.find_cached_prefix(sched.new_table(s), s.token_ids, len(s.token_ids) - 1).num_tokens
                 for s in group]
-        last = sum(len(s.token_ids) - h for s, h in zip(group, hits)) <= budget
+        last = sum(len(s.token_ids) - h for s, h in zip(group, hits, strict=True)) <= budget
         counts, left = [], budget
-        for seq, h in zip(group, hits):
+        for seq, h in zip(group, hits, strict=True):
             cap = left if last else max(0, min(left, len(seq.token_ids) - 1 - h))
             n = sched.admit(seq, cap)
             if n is None:

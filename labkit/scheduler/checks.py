@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..beam_search import num_candidates
-from ..request import Request, Sequence
+from ..request import Request, Sequence, Status
 from ..sampling_params import MAX_LOGPROBS
 from ..utils import cdiv
 
@@ -99,6 +99,18 @@ def check_beams(sched: Scheduler, request: Request, longest: int) -> None:
         raise ValueError(
             f"request {rid!r}: beam_width={k} beams of up to {longest} tokens may need {blocks} blocks "
             f"(each its own copy after a preemption), but the KV cache has {num_blocks}")
+
+
+def check_fork(sched: Scheduler, parent: Sequence) -> None:
+    """Raise ``ValueError`` unless ``parent`` can fork now: it decodes, and the batch has a
+    slot for the child."""
+    if parent.status is not Status.RUNNING or parent not in sched.running:
+        raise ValueError(f"{parent} is not running")
+    if parent.num_output_tokens == 0 or parent.num_uncomputed_tokens != 1:
+        raise ValueError(f"{parent} is still prefilling its prompt: fork it once it decodes")
+    if sched.num_seq_slots_promised() >= sched.max_num_seqs:
+        raise ValueError(f"the batch is full (max_num_seqs={sched.max_num_seqs}, counting the "
+                         "samples of n > 1 requests that fork after their prefill)")
 
 
 def stop_reason(seq: Sequence, token: int, eos_token_ids: frozenset[int], max_model_len: int | None) -> str | None:

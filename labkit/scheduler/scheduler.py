@@ -37,20 +37,17 @@ reason ``"pruned"``). It sets the finish reason once, returns the blocks (policy
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable
+from typing import Iterable
 
 from ..beam_search import BeamSearch
 from ..memory import BlockAllocator, BlockManager, BlockTable, Growth
 from ..request import Request, Sequence, Status
 from .beams import BeamGroups
-from .checks import PREEMPTION_MODES, check_config, check_request, stop_reason
+from .checks import check_config, check_fork, check_request
+from .outputs import StopStringCheck, apply_samples, make_children
 from .plan import StepPlan, growth
 from .records import SchedulerOutput, StepRecord, step_record
 from .swapper import Swapper
-
-# Called for each sequence that just gained a token, before the token-level stop checks:
-# True when its text now contains a stop string (the engine's detokenizer answers).
-StopStringCheck = Callable[[Sequence], bool]
 
 
 class Scheduler:
@@ -132,13 +129,10 @@ class Scheduler:
         return True
 
     def finish_sequence(self, seq: Sequence, reason: str, now: float = 0.0) -> Request | None:
-        """End ``seq`` now: the one place a sequence retires, whatever ended it.
-
-        Its finish reason is set here, once (a finished sequence is left alone); its blocks
-        go back (policy hook ``_release``). When it was its request's last unfinished
-        sequence, the request retires too: it leaves ``requests``, gets its
-        ``finished_time`` and is returned. Otherwise returns None.
-        """
+        """End ``seq`` now: the one place a sequence retires, whatever ended it. Its finish
+        reason is set once (a finished sequence is left alone); its blocks go back (policy hook
+        ``_release``). Returns its request if that retires too (its last sequence: it leaves
+        ``requests`` with its ``finished_time``), else None."""
         if seq.status is Status.FINISHED:
             return None
         queue = {Status.RUNNING: self.running, Status.SWAPPED: self.swapped}.get(seq.status, self.waiting)
@@ -196,7 +190,7 @@ class Scheduler:
             if group[0].status is not Status.RUNNING:
                 return False
         plan.copies += done.copies
-        for seq, n in zip(group, counts):
+        for seq, n in zip(group, counts, strict=True):
             if n:
                 plan.add(seq, n)
         return True
@@ -220,7 +214,7 @@ class Scheduler:
             if counts is None or counts[0] is None:
                 break
             width += group_width
-            for seq, n in zip(group, counts):
+            for seq, n in zip(group, counts, strict=True):
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
@@ -321,39 +315,7 @@ class Scheduler:
         (``BeamGroups.step``) once every beam of the request has its log-probabilities.
         Returns the requests that finished in this iteration.
         """
-        finished: list[Request] = []
-        for k, (item, tokens) in enumerate(zip(output.scheduled, sampled, strict=True)):
-            seq = item.seq
-            if seq.status is not Status.RUNNING:
-                continue                       # aborted while the batch ran
-            seq.num_computed_tokens += item.num_new_tokens
-            seq.block_table.cache_computed_blocks(seq.num_computed_tokens)
-            if item.is_prefill:
-                self.num_prompt_tokens_computed += item.num_new_tokens
-            if item.num_samples == 0:
-                continue
-            if len(tokens) != item.num_samples:
-                raise ValueError(f"{seq}: expected {item.num_samples} sampled tokens, got {len(tokens)}")
-            request = seq.request
-            if request.beam is not None:        # no sampled token: a beam step, once all beams are in
-                self.beams.take_logprobs(seq, logprobs[k] if logprobs is not None else None)
-                continue
-            family = [seq]
-            if not request.forked:
-                family += self.fork_children(seq, len(tokens) - 1)
-                request.forked = True
-            if request.first_token_time is None:
-                request.first_token_time = now
-            for member, token in zip(family, tokens, strict=True):
-                member.token_ids.append(token)
-                self.num_generated_tokens += 1
-                if stop_string is not None and stop_string(member):
-                    reason: str | None = "stop"
-                else:
-                    reason = stop_reason(member, token, self.eos_token_ids, self.max_model_len)
-                if reason is not None and (done := self.finish_sequence(member, reason, now)) is not None:
-                    finished.append(done)
-        return finished + self.beams.step_ready(output, now)
+        return apply_samples(self, output, sampled, now, stop_string, logprobs)
 
     def _release(self, seq: Sequence, reason: str) -> None:
         """Return a finished sequence's blocks (policy hook: continuous frees at once)."""
@@ -366,37 +328,13 @@ class Scheduler:
         child shares every block with its parent and runs from the next iteration on.
         Raises ``ValueError`` (changing nothing) for a sequence that is not decoding, or
         when the batch is full."""
-        if parent.status is not Status.RUNNING or parent not in self.running:
-            raise ValueError(f"{parent} is not running")
-        if parent.num_output_tokens == 0 or parent.num_uncomputed_tokens != 1:
-            raise ValueError(f"{parent} is still prefilling its prompt: fork it once it decodes")
-        if self.num_seq_slots_promised() >= self.max_num_seqs:
-            raise ValueError(f"the batch is full (max_num_seqs={self.max_num_seqs}, counting the "
-                             "samples of n > 1 requests that fork after their prefill)")
+        check_fork(self, parent)
         return self.fork_children(parent, 1)[0]
 
     def fork_children(self, parent: Sequence, count: int) -> list[Sequence]:
         """Parallel sampling and beam search: ``count`` children that share the parent's
         blocks (copy-on-write), running right after it (policy hook)."""
-        return self._make_children(parent, count, lambda: parent.block_table.fork())
-
-    def _make_children(self, parent: Sequence, count: int, new_table: Callable[[], BlockTable]) -> list[Sequence]:
-        """``count`` running children of ``parent``, each on the table ``new_table()`` gives."""
-        children = []
-        at = self.running.index(parent) + 1
-        for _ in range(count):
-            child = Sequence(parent.request, list(parent.token_ids), index=len(parent.request.seqs))
-            child.block_table = new_table()
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            if parent.logprobs is not None:
-                child.logprobs = list(parent.logprobs)
-                child.cumulative_logprob = parent.cumulative_logprob
-            child.status = Status.RUNNING
-            parent.request.seqs.append(child)
-            children.append(child)
-        self.running[at:at] = children
-        return children
+        return make_children(self.running, parent, count, parent.block_table.fork)
 
     # ---- numbers -------------------------------------------------------------------
     @property

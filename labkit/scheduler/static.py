@@ -24,6 +24,7 @@ from typing import Iterable
 from ..memory import BlockAllocator, BlockTable, Growth
 from ..request import Request, Sequence
 from ..utils import cdiv
+from .outputs import make_children
 from .scheduler import Scheduler
 
 
@@ -110,10 +111,11 @@ class StaticScheduler(Scheduler):
             table.append_tokens(parent.token_ids[:parent.num_computed_tokens], computed=False)
             return table
 
-        children = self._make_children(parent, count, copy)
+        children = make_children(self.running, parent, count, copy)
         for child in children:
             filled = cdiv(child.num_computed_tokens, self.block_size)
-            self._fork_copies += zip(parent.block_table.block_ids[:filled], child.block_table.block_ids[:filled])
+            self._fork_copies += zip(parent.block_table.block_ids[:filled], child.block_table.block_ids[:filled],
+                                     strict=True)
         return children
 
     def _release(self, seq: Sequence, reason: str) -> None:

@@ -117,9 +117,9 @@ class Swapper:
                 group.pop()
             if not group:
                 return
-            growths = [growth(seq, n) for seq, n in zip(group, counts)]
+            growths = [growth(seq, n) for seq, n in zip(group, counts, strict=True)]
             done = sched.blocks.allocate_slots(growths, sched.admission_reserve())
-            for seq, g in zip(group, growths):
+            for seq, g in zip(group, growths, strict=True):
                 self.swapped.remove(seq)
                 seq.block_table = g.table
                 seq.status = Status.RUNNING
@@ -130,7 +130,7 @@ class Swapper:
             self.num_blocks_in += len(done.moved)
             self.num_swap_ins += len(group)
             width += group_width
-            for seq, n in zip(group, counts):
+            for seq, n in zip(group, counts, strict=True):
                 if n:
                     plan.add(seq, n)
 
@@ -159,7 +159,7 @@ class Swapper:
             for b in seq.block_table.block_ids:
                 holders[b] = holders.get(b, 0) + 1
         need = len(holders)
-        for seq, n in zip(group, counts):
+        for seq, n in zip(group, counts, strict=True):
             table, computed = seq.block_table, seq.num_computed_tokens
             need += cdiv(computed + n, bs) - len(table.block_ids)
             if computed % bs and holders[table.block_ids[-1]] > 1:

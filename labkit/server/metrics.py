@@ -30,6 +30,16 @@ METRICS = [
     ("labkit_engine_steps_total", "counter", "num_steps", "Engine iterations run."),
     ("labkit_requests_finished_total", "counter", "requests_finished", "Requests that finished (stop or length)."),
     ("labkit_requests_aborted_total", "counter", "requests_aborted", "Requests aborted (client gone, cancelled, shutdown)."),
+    # Speculative decoding (only when the engine speculates), vLLM's spec_decode_* names.
+    ("labkit_spec_decode_num_drafts_total", "counter", "spec_decode_num_drafts",
+     "Sequence-steps that verified at least one guessed token."),
+    ("labkit_spec_decode_num_draft_tokens_total", "counter", "spec_decode_num_draft_tokens", "Guessed tokens verified."),
+    ("labkit_spec_decode_num_accepted_tokens_total", "counter", "spec_decode_num_accepted_tokens",
+     "Guessed tokens the target kept."),
+    ("labkit_spec_decode_acceptance_rate", "gauge", "spec_decode_acceptance_rate",
+     "Accepted / verified guessed tokens since the start."),
+    ("labkit_spec_decode_mean_acceptance_length", "gauge", "spec_decode_mean_acceptance_length",
+     "Tokens a drafting step gives a sequence on average: 1 + accepted / drafts."),
 ]
 REJECTED = ("labkit_requests_rejected_total",
             "Requests the engine refused, by reason (queue_full: HTTP 429; invalid: it can never run).")

@@ -26,7 +26,7 @@ VENV        ?= .venv
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.labkit-$(EXTRAS)
 
-.PHONY: lab test setup model browser sandbox notebooks grade dist bench-sim clean help
+.PHONY: lab test test-fast lint setup model browser sandbox notebooks grade dist bench-sim clean help
 .PHONY: vllm-venv gpu-check
 
 help:
@@ -42,6 +42,10 @@ lab: setup model
 
 test: setup model browser sandbox
 	$(BIN)/python -m pytest
+
+# ruff with the rules pyproject.toml states and justifies (CI runs it before the tests).
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # Setup ends with the C++ CPU kernels compiled for this machine (once: 1-2 min on 2 idle cores,
 # 5-11 on busy ones; a few seconds to check afterwards), so that no notebook cell waits on a compiler.

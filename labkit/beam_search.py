@@ -139,12 +139,12 @@ class BeamSearch:
         cands = self.candidates([(cum, top) for _, cum, top in beams])
         ends = [self.ends(c.token, length) for c in cands]
         # 3. The next beams: the best candidates that do not end.
-        running = [c for c, e in zip(cands, ends) if not e][:k]
+        running = [c for c, e in zip(cands, ends, strict=True) if not e][:k]
         # 2. New hypotheses: candidates among the first k that end, while they may still count.
         new = 0
         full = len(self.finished) >= k
         if self.improvable and not (full and params.early_stopping is True):
-            for c, e in zip(cands[:k], ends[:k]):
+            for c, e in zip(cands[:k], ends[:k], strict=True):
                 if e:
                     tokens = beams[c.parent][0] + [c.token]
                     eos = not params.ignore_eos and c.token in self.eos_token_ids

@@ -346,7 +346,7 @@ def _record_logprobs(plan: SchedulerOutput, result: ExecuteResult) -> None:
                 have.extend(entries[len(have) - first:])
         if result.logprobs is None or result.logprobs[k] is None:
             continue
-        for index, entry in zip(item.sample_indices, result.logprobs[k]):
+        for index, entry in zip(item.sample_indices, result.logprobs[k], strict=True):
             seq = request.seqs[index] if index < len(request.seqs) else None
             if seq is None or seq.logprobs is None or len(seq.logprobs) != seq.num_output_tokens - 1:
                 continue

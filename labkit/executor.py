@@ -1,10 +1,10 @@
 """The real executor: the scheduler's plan, run through a Llama on paged KV, then sampled.
 
-``ModelExecutor`` is what the engine calls every iteration when it serves a model. It
-turns each ``ScheduledSeq`` into a ``SeqChunk`` (tokens to compute, first position,
-the sequence's physical blocks, prefill or decode as the scheduler decided), lets the ``ModelRunner`` apply the copy-on-write copies
-and run one forward over the whole mixed batch, and samples from the logits of the
-sequences whose chunk ends their known tokens (``n`` samples at a fork).
+``ModelExecutor`` is what the engine calls every iteration when it serves a model. It turns
+each ``ScheduledSeq`` into a ``SeqChunk`` (tokens to compute, first position, the sequence's
+physical blocks, prefill or decode as the scheduler decided), lets the ``ModelRunner`` apply
+the copy-on-write copies and run one forward over the whole mixed batch, and samples from
+the logits of the sequences whose chunk ends their known tokens (``n`` samples at a fork).
 
 Requests that ask for more pay for it, and only they: ``structured_outputs`` masks their
 rows of logits first (the tokens their grammar forbids get ``-inf``: ``labkit.structured``);
@@ -120,7 +120,7 @@ class ModelExecutor:
         chunks = [SeqChunk(item.token_ids, item.num_computed_tokens, item.seq.block_table.block_ids,
                            item.num_samples > 0, item.is_prefill or item.num_new_tokens > 1,
                            all_logits=targets is not None or d > 0)
-                  for item, targets, d in zip(plan.scheduled, wants_prompt, drafts)]
+                  for item, targets, d in zip(plan.scheduled, wants_prompt, drafts, strict=True)]
         if plan.swap_out or plan.swap_in:
             self._swap(plan)
         logits = self.runner.execute(chunks, plan.copies)
@@ -172,7 +172,7 @@ class ModelExecutor:
                     row_at.append((item, position))
         # Sampled guesses (a draft's q known) are judged by rejection sampling, their rows
         # apart; every other row is sampled as decoding samples it.
-        judged = [k for k, (item, g) in enumerate(zip(plan.scheduled, guesses))
+        judged = [k for k, (item, g) in enumerate(zip(plan.scheduled, guesses, strict=True))
                   if g is not None and g.probs is not None and item.num_samples and not item.seq.request.params.greedy]
         sampled_flat: list[int] = []
         table = processed = None
@@ -211,12 +211,12 @@ class ModelExecutor:
                 chosen.append([(r + j, sampled_flat[r + j]) for j in range(item.num_samples)])
                 sampled.append(sampled_flat[r:r + item.num_samples])
             r += item.num_samples * (d + 1)
-        for item, gained in zip(plan.scheduled, chosen):
+        for item, gained in zip(plan.scheduled, chosen, strict=True):
             request = item.seq.request
             if not gained or request.params.structured_outputs is None:
                 continue
             if len(item.sample_indices) > 1:          # n samples at a fork: one token each
-                for index, (_, token) in zip(item.sample_indices, gained):
+                for index, (_, token) in zip(item.sample_indices, gained, strict=True):
                     self.grammars.accept(request, index, [token])
             else:                                     # one sample: a jump's kept drafts, then its token
                 self.grammars.accept(request, item.sample_indices[0], [t for _, t in gained])
@@ -241,7 +241,7 @@ class ModelExecutor:
             return sample(processed, rows)
         out = [0] * len(rows)
         if plain:
-            for r, t in zip(plain, sample(processed[plain], [rows[r] for r in plain])):
+            for r, t in zip(plain, sample(processed[plain], [rows[r] for r in plain]), strict=True):
                 out[r] = t
         return out
 

@@ -138,7 +138,8 @@ class LLM:
         return line
 
     # ---- generation ---------------------------------------------------------------
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Serve every prompt (text or token ids) and return their outputs in input order.
 
@@ -178,7 +179,8 @@ class LLM:
             while remaining:
                 finished = {r.request_id for r in self.engine.step()}
                 plan = self.engine.last_plan
-                touched = {item.seq.request.request_id for item in plan.scheduled if item.num_samples} if plan else set()
+                touched = ({item.seq.request.request_id for item in plan.scheduled if item.num_samples}
+                           if plan else set())
                 for rid in list(remaining):
                     if rid in touched or rid in finished:
                         request = remaining[rid]
@@ -211,7 +213,7 @@ class LLM:
             prompts = [prompts]
         encoded = [encode_prompt(prompt, self.tokenizer) for prompt in prompts]
         entries: list[Request | BeamSearchOutput] = []
-        for prompt, (text, ids) in zip(prompts, encoded):
+        for prompt, (text, ids) in zip(prompts, encoded, strict=True):
             request_id = str(next(self._ids))
             try:
                 entries.append(self.engine.add_request(ids, params, request_id=request_id, prompt=text,
@@ -257,7 +259,7 @@ class LLM:
             p.validate()
         encoded = [encode_prompt(prompt, self.tokenizer) for prompt in prompts]
         out: list[Request | RequestOutput] = []
-        for prompt, (text, ids), p in zip(prompts, encoded, params):
+        for prompt, (text, ids), p in zip(prompts, encoded, params, strict=True):
             request_id = str(next(self._ids))
             try:
                 out.append(self.engine.add_request(ids, p, request_id=request_id, prompt=text,

@@ -248,7 +248,7 @@ def test_stop_strings_and_stop_tokens_end_inside_a_run_of_kept_guesses(models):
     """A kept guess that would end the sequence ends the step there, as decoding would stop."""
     target = models["target"]
     plain = make_engine(target, None)
-    long = run(plain, greedy(max_tokens=30), PROMPTS)
+    long = run(plain, greedy(max_tokens=30))
     stops = [target.tokenizer.decode(req[0][0][8:10]) for req in long]          # text from each output's middle
     for params in [greedy(max_tokens=30, stop=[s for s in stops if s.strip()][:3]),
                    greedy(max_tokens=30, stop_token_ids=[req[0][0][9] for req in long]),

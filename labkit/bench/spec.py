@@ -56,7 +56,8 @@ PASSAGES = [
 ]
 CODE = [
     "def total(xs):\n    s = 0\n    for x in xs:\n        s = s + x\n    return s\n",
-    "def largest(xs):\n    best = xs[0]\n    for x in xs:\n        if x > best:\n            best = x\n    return best\n",
+    "def largest(xs):\n    best = xs[0]\n    for x in xs:\n        if x > best:\n"
+    "            best = x\n    return best\n",
     "def count_words(text):\n    counts = {}\n    for word in text.split():\n"
     "        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
     "def mean(xs):\n    n = 0\n    s = 0\n    for x in xs:\n        n = n + 1\n        s = s + x\n    return s / n\n",
@@ -86,7 +87,7 @@ def workload(name: str, num_requests: int) -> list[str]:
 CONFIGS: dict[str, dict | None] = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
-    "draft_layers": {"method": "draft_layers", "num_layers": 10, "num_speculative_tokens": 3},
+    "draft_layers": {"method": "draft_layers", "num_layers": 20, "num_speculative_tokens": 3},
 }
 
 
@@ -209,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per batch size (default: the batch size, at least 4)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="draft_layers: how many of the target's first layers draft (default 20 of SmolLM2's 30)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p
 
@@ -224,15 +227,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ..llm import LLM
 
+    configs_used = dict(CONFIGS)
+    if args.draft_layers is not None:
+        configs_used["draft_layers"] = {**CONFIGS["draft_layers"], "num_layers": args.draft_layers}
     longest = max(sizes)
     # One engine per config, each with a KV cache just big enough for the largest batch.
     engines = {c: LLM(args.model, max_num_seqs=longest, enable_prefix_caching=False,
-                      num_blocks=longest * (1024 + args.max_tokens) // 16 + 16, speculative_config=CONFIGS[c])
+                      num_blocks=longest * (1024 + args.max_tokens) // 16 + 16, speculative_config=configs_used[c])
                for c in configs}
     runs = measure(engines, workloads, sizes, args.num_requests, args.max_tokens)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     if args.json:
-        print(json.dumps({"runs": [r.as_dict() for r in runs], "configs": {c: CONFIGS[c] for c in configs},
+        print(json.dumps({"runs": [r.as_dict() for r in runs], "configs": {c: configs_used[c] for c in configs},
                           "loadavg": load, "model": engines["off"].runner.name}))
     else:
         print(table(runs, load))

@@ -28,6 +28,7 @@ add up to the memory's size. Two policies are accounted here:
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
@@ -254,7 +255,7 @@ class ContiguousAllocator:
             assert length > 0 and start == at, f"gap or overlap at slot {at}: {pieces}"
             at += length
         assert at == self.num_slots, f"pieces cover {at} of {self.num_slots} slots"
-        for a, b in zip(self._holes, self._holes[1:]):
+        for a, b in itertools.pairwise(self._holes):
             assert a.start + a.length < b.start, f"holes {a} and {b} touch or are out of order"
 
     def __repr__(self) -> str:
@@ -303,7 +304,7 @@ def contiguous_waste(seqs: Iterable[SeqUsage], *, reserve: str = "max",
     sizes = [reservation(s, reserve) for s in seqs]
     tokens = sum(s.num_tokens for s in seqs)
     reserved = sum(s.final_len - s.num_tokens for s in seqs)
-    internal = sum(size - s.final_len for s, size in zip(seqs, sizes))
+    internal = sum(size - s.final_len for s, size in zip(seqs, sizes, strict=True))
     allocated = sum(sizes)
     if allocator is not None:
         if total_slots is not None and total_slots != allocator.num_slots:

@@ -404,7 +404,7 @@ class LlamaModel(nn.Module):
         fused = getattr(ops, "fused", None) is not None
         cos, sin = self.rotary.tables(positions, torch.float32 if fused else h.dtype)
         residual = None
-        layers = zip(self.layers, kv_cache.k_caches, kv_cache.v_caches)
+        layers = zip(self.layers, kv_cache.k_caches, kv_cache.v_caches, strict=True)
         with meta.checked(kv_cache):  # once here, not in each layer's kernels
             for layer, k_cache, v_cache in itertools.islice(layers, num_layers):
                 h, residual = layer(h, residual, cos, sin, meta, k_cache, v_cache, ops)

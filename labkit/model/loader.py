@@ -443,7 +443,7 @@ def _bytes_to_unicode() -> dict[int, str]:  # GPT-2's byte <-> printable charact
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 # GPT-2 byte-level BPE writes each byte as a printable character; this maps it back to the byte.

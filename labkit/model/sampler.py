@@ -71,12 +71,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         if len(greedy) == len(rows):
             return logits.argmax(dim=-1).tolist()
         ids = logits[greedy].argmax(dim=-1).tolist()
-        for i, t in zip(greedy, ids):
+        for i, t in zip(greedy, ids, strict=True):
             out[i] = t
     rand = [i for i, r in enumerate(rows) if not r.greedy]
     if rand:
         ids = _sample_random(logits[rand], [rows[i] for i in rand]).tolist()
-        for i, t in zip(rand, ids):
+        for i, t in zip(rand, ids, strict=True):
             out[i] = t
     return out
 
@@ -179,7 +179,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[PenaltyRow]) -> torch.Tenso
     dev = out.device
     bias = [(i, t, b) for i, r in enumerate(rows) if r.logit_bias for t, b in r.logit_bias.items()]
     if bias:
-        ri, ti, bi = zip(*bias)
+        ri, ti, bi = zip(*bias, strict=True)
         if max(ti) >= V:
             raise ValueError(f"logit_bias names token {max(ti)}, outside the vocabulary [0, {V})")
         out.index_put_((torch.tensor(ri, device=dev), torch.tensor(ti, device=dev)),
@@ -209,7 +209,8 @@ def logprob_entries(logits: torch.Tensor, token_ids: list[int], num_top: list[in
     model's raw distribution). Ranks count the tokens strictly more likely, plus one.
     ``decode(id) -> str`` fills ``decoded_token`` when given."""
     if logits.shape[0] != len(token_ids) or len(num_top) != len(token_ids):
-        raise ValueError(f"logits {tuple(logits.shape)}, {len(token_ids)} tokens and {len(num_top)} top-k counts differ")
+        raise ValueError(f"logits {tuple(logits.shape)}, {len(token_ids)} tokens and "
+                         f"{len(num_top)} top-k counts differ")
     if not token_ids:
         return []
     lp = logits.float().log_softmax(dim=-1)

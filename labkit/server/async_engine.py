@@ -519,7 +519,7 @@ class AsyncEngine:
     def _output(self, r: Request) -> RequestOutput:
         texts = [self.engine.text_of(s) for s in r.seqs]
         delta = []
-        for s, text in zip(r.seqs, texts):   # the text no earlier output of this stream had
+        for s, text in zip(r.seqs, texts, strict=True):   # the text no earlier output of this stream had
             sent = self._sent.get(s.seq_id, 0)
             delta.append(text[sent:])
             self._sent[s.seq_id] = max(sent, len(text))

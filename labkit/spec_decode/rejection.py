@@ -35,8 +35,9 @@ from ..model.sampler import inverse_cdf, uniforms
 
 
 def accepted_prefix(drafted: list[int], sampled: list[int]) -> int:
-    """How many leading drafts equal the token sampled at their position (point masses)."""
-    return next((j for j, (d, s) in enumerate(zip(drafted, sampled)) if d != s), len(drafted))
+    """How many leading drafts equal the token sampled at their position (point masses).
+    ``sampled`` may be one longer (the token after the last draft): it is not compared."""
+    return next((j for j, (d, s) in enumerate(zip(drafted, sampled, strict=False)) if d != s), len(drafted))
 
 
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:

@@ -330,7 +330,7 @@ class Speculator:
                 table.truncate(len(seq.token_ids), free_empty_blocks=not keep_empty_blocks)
             entries = self._logprobs.pop(seq, None)
             if entries and seq.logprobs is not None:
-                for t, entry in zip(seq.token_ids[len(seq.token_ids) - accepted:], entries):
+                for t, entry in zip(seq.token_ids[len(seq.token_ids) - accepted:], entries, strict=True):
                     seq.logprobs.append(entry)
                     seq.cumulative_logprob += entry[t].logprob
             if tokens:

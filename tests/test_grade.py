@@ -7,7 +7,8 @@ the owner of.
 The fast tests need no kernel: who handed in what, every notebook format a student can hand in,
 check cells paired and what a student changed in them, the static flags (and their false
 alarms), the judge reading only plain data, answers crossing from a kernel's namespace to the
-graders as JSON, the verdict rules, the reports. The class is graded once by ``make grade``
+graders as JSON, a passing bug-hunt test run again from its source on its own (and what it cannot
+forge there), the verdict rules, the reports. The class is graded once by ``make grade``
 (about a minute on 2 cores); the hostile class is tests/test_grade_hostile.py, the sandbox's
 walls tests/test_grade_sandbox.py.
 """
@@ -504,6 +505,139 @@ def test_verdicts_from_what_the_cells_raised():
     got, _, _ = verdicts(solved, answers, {}, stopped_at=_answer_slot(solved, lab, "2.3"))
     assert [s for s, _ in got] == [PASS, PASS, NOT_RUN, NOT_RUN]
     assert check_23 > value
+
+
+TESTS = """\
+import math as m
+from labkit.exercises.bughunt import time_allocations
+SIZE = 4
+
+
+def _manager(impl):
+    return impl.BlockManager(num_gpu_blocks=8, block_size=SIZE)
+
+
+def test_slots(impl):
+    manager = _manager(impl)
+    scheduler = impl.Scheduler(manager)
+    req = impl.SequenceRequest("a", prompt_tokens=list(range(6)), max_tokens=10)
+    scheduler.add_request(req)
+    while not req.is_finished:
+        scheduler.schedule_iteration()
+        if not req.is_finished:
+            assert len(req.block_table) * manager.block_size >= req.num_tokens, f"short of slots ({m.pi:.0f})"
+
+
+def stub(impl):
+    raise NotImplementedError("write the test")
+
+
+def reads_code(impl):
+    assert impl.Scheduler.schedule_iteration.__closure__ is not None
+
+
+crowd = object()
+
+
+def uses_a_live_object(impl):
+    assert crowd is not None
+
+
+def outer(size):
+    def inner(impl):
+        return impl.BlockManager(num_gpu_blocks=size)
+    return inner
+"""
+
+
+def _tests(tmp_path, name: str = "student_tests"):
+    (tmp_path / f"{name}.py").write_text(TESTS, encoding="utf-8")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import importlib
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_a_bug_hunt_test_is_handed_in_as_source_that_runs_on_its_own(tmp_path):
+    from labkit.grade.probe import source_of
+    mod = _tests(tmp_path)
+    said = source_of(mod.test_slots)
+    assert said["name"] == "test_slots" and "SIZE = 4" in said["source"] and "import math as m" in said["source"]
+    assert "def _manager(impl)" in said["source"] and "crowd" not in said["source"]
+    alone: dict = {}
+    exec(said["source"], alone)                              # nothing of the module needed
+    bughunt.check_generated_tokens_test(alone["test_slots"])
+    for fn, why in ((mod.uses_a_live_object, "uses crowd, a object value of the notebook's"),
+                    (mod.outer(8), "defined inside another function"), (lambda impl: None, "a lambda"),
+                    (print, "not a function")):
+        assert why in source_of(fn)["error"], fn
+
+
+def test_a_passing_bug_hunt_test_is_judged_again_from_its_source_not_the_kernels_word(tmp_path):
+    from labkit.grade.probe import source_of
+    from labkit.grade.rerun import again
+    lab = Distributed.read(PATHS.notebooks / CHAPTER)
+    check = _check("2.2")
+    plan = check.function().plan(random.Random(3))
+    mod = _tests(tmp_path, "student_tests_2")
+    calls = []
+
+    def run(grader, source, name, plan):                      # the clean sandbox, here in-process
+        calls.append(name)
+        namespace: dict = {}
+        exec(source, namespace)
+        return check.function().probe(namespace[name], plan=plan)
+
+    def kernel(test, forged: bool = False, source=None) -> list[str]:
+        ran = ({"name": "t", "outcomes": [{"kind": k, "result": "passed" if k == "correct" else "assertion",
+                                            "error": "AssertionError", "message": "x"} for k in plan["order"]]}
+               if forged else check.function().probe(test, plan=plan))
+        return [json.dumps({"exercise": "2.2", "ran": ran, "source": source_of(test) if source is None else source})]
+
+    def verdict(handed):
+        return again(check, judge(check, handed, plan), handed, plan, lab.code, lab.graders, run)
+
+    assert verdict(kernel(mod.test_slots)).status == JUDGED_PASS and calls == ["test_slots"]
+    forged = verdict(kernel(mod.stub, forged=True))                  # a kernel whose probe was replaced
+    assert forged.status == "fail" and "NotImplementedError" in forged.hint
+    assert "passed in its own kernel, not when run again on its own" in forged.seen
+    calls.clear()
+    closure = verdict(kernel(mod.reads_code, forged=True))
+    assert closure.status == "fail" and "reads the implementations instead of testing" in closure.hint
+    assert calls == [] and "its test, run again on its own, uses impl.Scheduler.schedule_iteration.__closure__" \
+        in closure.seen
+    missing = verdict(kernel(mod.test_slots, source=False))
+    assert missing.status == "fail" and "handed in no source of its test" in missing.seen and calls == []
+    unreadable = verdict(kernel(mod.test_slots, source={"error": "a lambda cannot be run on its own: write a def"}))
+    assert unreadable.status == "fail" and "write a def" in unreadable.hint and unreadable.seen == []
+    failing = kernel(mod.stub)                                       # a failing kernel's word stands: not run
+    assert verdict(failing) == judge(check, failing, plan) and calls == []
+
+
+def test_the_test_run_again_runs_in_a_process_of_its_own_and_cannot_forge_its_result(tmp_path):
+    from labkit.grade.guard import Guard
+    from labkit.grade.probe import source_of
+    from labkit.grade.rerun import run_source
+    from labkit.grade.sandbox import Limits, Sandbox, make_plan
+    box = Sandbox("none", make_plan([PATHS.solutions]), Limits(memory_mb=1024))
+    plan = bughunt.check_generated_tokens_test.plan(random.Random(5))
+    grader = "labkit.exercises.bughunt:check_generated_tokens_test"
+    mod = _tests(tmp_path, "student_tests_3")
+    said = source_of(mod.test_slots)
+    guard = Guard()
+    try:
+        ran = run_source(box, guard, tmp_path, 0, 60, grader, said["source"], said["name"], plan)
+        bughunt.check_generated_tokens_test.judge(ran, plan=plan)
+        forged = json.dumps({"ran": {"name": "t", "outcomes": []}})
+        printing = f"print({forged!r})\nimport sys\nsys.stdout.write({forged!r})\n\n" + said["source"]
+        assert run_source(box, guard, tmp_path, 0, 60, grader, printing, "test_slots", plan) == ran
+        assert "KeyError" in run_source(box, guard, tmp_path, 0, 60, grader, said["source"], "nope", plan)
+        assert "timeout" in run_source(box, guard, tmp_path, 0, 2, grader, "while True:\n    pass\n", "x", plan)
+    finally:
+        guard.close()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("0-again-")] == []
 
 
 def _answer_slot(nb, lab, exercise: str) -> int:

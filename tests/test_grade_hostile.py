@@ -13,27 +13,33 @@ run twice (copied) or moved, names that start with ``check``, an answer typed at
 check cell, nbformat 4.4 without cell ids, Colab's nbformat 4.0, two files of one notebook, a
 name a spreadsheet would run as a formula.
 
-Graded twice (the whole class; then the honest students with a few attackers again), it must
-show that:
+Graded three times (the whole class; the honest students alone, the same files; a few of the
+attackers' files again, on their own), it must show that:
 
-* the honest students' rows are the same in both runs, whoever else is in the class;
-* the attackers' rows are the same in both runs;
-* no attack earns a point its notebook did not earn, except the two that the threat model says
-  are only flagged (code answers are run in the student's own kernel: a test that reads the
-  implementations' code, or a kernel rewritten against labkit's grading, can report what a
-  right test would); both are flagged;
+* each honest student's row is the same with all the attackers in the class and without any
+  (which also grades the same notebooks twice);
+* the attackers' rows are the same when graded again;
+* no attack earns a point its notebook did not earn: not a kernel rewritten against labkit's
+  grading to report what a right test would have done (a test that passes is run again on its
+  own, from its source, in a clean sandbox), nor a test that recognises the implementations by
+  reading their code (its source reaches for closures: it is not run, and fails);
 * every attack that reaches for the grading machinery is flagged, every limit hit is named;
-* the checkout (and this Python's import hooks) is byte-identical afterwards, nothing carries
-  the attacks' marker, and no process of theirs outlives the run.
+* the checkout (and this Python's import hooks) is byte-identical afterwards, but for the
+  bytecode caches Python writes itself (none of which carries the attacks' marker; compared in
+  full wherever nobody is editing the checkout meanwhile: see ``_edited``), and no process of
+  theirs outlives the run.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
 import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -70,9 +76,8 @@ HONEST = {
                       "ignored older files of this notebook: gina/02_paging.ipynb"]),
     FORMULA_NAME: (0, [], []),
 }
-#: Attackers: (points, what its flags and notes must say). Points are what the notebook earned
-#: (nothing, but for the killer that attacks after its solved checks), or, for the two attacks
-#: the threat model leaves flagged only, what they take.
+#: Attackers: (points, what its flags and notes must say). Points are what the notebook earned:
+#: nothing, but for the killer that attacks after its solved checks.
 EXPECTED = {
     "patch_files": (0, ["imports labkit.exercises"]),
     "setsid_killer": (0, ["imports subprocess", "the kernel died"]),
@@ -94,8 +99,10 @@ EXPECTED = {
     "forged_output": (0, []),
     "hostile_answers": (0, []),
     "counting_test": (0, []),
-    "identifier_test": (9, ["uses fn.__closure__"]),          # flagged only: reads the implementations' code
-    "forger": (9, ["imports labkit.exercises.bughunt", "is not labkit's grader"]),   # flagged only
+    "identifier_test": (0, ["uses fn.__closure__", "its test, run again on its own, uses fn.__closure__",
+                            "it reads the implementations instead of testing what they do"]),
+    "forger": (0, ["imports labkit.exercises.bughunt", "is not labkit's grader",
+                   "passed in its own kernel, not when run again on its own"]),
 }
 AGAIN = ["setsid_killer", "killer_after_checks", "signal_grader", "input_transformer", "forger"]
 
@@ -192,7 +199,7 @@ def _carol():
     return nb
 
 
-def build(folder: Path, attackers: list[str]) -> None:
+def build(folder: Path, attackers: list[str], honest: bool = True) -> None:
     def save(text_or_nb, relative: str, mtime: float | None = None) -> None:
         path = folder / relative
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,15 +207,16 @@ def build(folder: Path, attackers: list[str]) -> None:
         if mtime is not None:
             os.utime(path, (mtime, mtime))
 
-    save(_solved(), f"alice/{CHAPTER}")
-    save(_unsolved(), f"bob/{CHAPTER}")
-    save(_carol(), f"carol/{CHAPTER}")
-    save(_erin(), f"erin/{CHAPTER}")
-    save(_fay(), f"fay/{CHAPTER}")
-    now = time.time()
-    save(_trimmed(_unsolved()), f"gina/{CHAPTER}", now - 3600)              # handed in first...
-    save(_trimmed(_solved()), "gina/02_paging (1).ipynb", now)               # ...then the final version
-    save(_trimmed(_unsolved()), f"{FORMULA_NAME}/{CHAPTER}")
+    if honest:
+        save(_solved(), f"alice/{CHAPTER}")
+        save(_unsolved(), f"bob/{CHAPTER}")
+        save(_carol(), f"carol/{CHAPTER}")
+        save(_erin(), f"erin/{CHAPTER}")
+        save(_fay(), f"fay/{CHAPTER}")
+        now = time.time()
+        save(_trimmed(_unsolved()), f"gina/{CHAPTER}", now - 3600)          # handed in first...
+        save(_trimmed(_solved()), "gina/02_paging (1).ipynb", now)           # ...then the final version
+        save(_trimmed(_unsolved()), f"{FORMULA_NAME}/{CHAPTER}")
     for name in attackers:
         save(_attack(name), f"{name}/{CHAPTER}")
 
@@ -231,28 +239,77 @@ def _hostile_processes() -> list[str]:
     return found
 
 
+def _sandboxed(box, tried) -> None:
+    """Refuse to grade the hostile class without a sandbox, before its first kernel starts: its
+    attacks (``kill -9 -1`` in a loop, fork bombs, full disks) would run on this machine itself."""
+    if box.kind == "none":
+        pytest.fail(f"no sandbox works here, so the hostile class is not run: {box.detail}", pytrace=False)
+
+
 def _grade(folder: Path):
     os.environ["INSTRUCTOR_TOKEN"] = SECRET                   # what snoop.py looks for
     try:
-        return grade_class(folder, root=ROOT, jobs=3, timeout=60, limits=LIMITS)
+        return grade_class(folder, root=ROOT, jobs=3, timeout=60, limits=LIMITS, on_sandbox=_sandboxed)
     finally:
         del os.environ["INSTRUCTOR_TOKEN"]
 
 
+#: What the checkout may gain while its notebooks are graded: Python's own bytecode caches (the
+#: grader imports labkit; Numba caches compiled functions there too). Nothing else.
+CACHES = ("__pycache__",)
+
+
+def _files(paths: list[Path]) -> dict[str, str]:
+    """sha256 of every file under ``paths``, caches included (``run.fingerprint`` leaves them out)."""
+    out = dict(fingerprint(paths))
+    for base in paths:
+        if base.is_dir():
+            for p in base.rglob("*"):
+                if p.is_file() and str(p) not in out:
+                    out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _edited(watched: list[Path]) -> str | None:
+    """Why the checkout cannot be compared byte for byte (someone's uncommitted edits of the watched
+    files: a development machine, where they may go on changing during the run), or None when it
+    can: a clean checkout (CI's fresh clone), or one that is not a git checkout at all.
+    ``LABKIT_STRICT_CHECKOUT=1`` (or ``CI``) compares it whatever git says."""
+    if os.environ.get("CI") or os.environ.get("LABKIT_STRICT_CHECKOUT"):
+        return None
+    mine = [str(p) for p in watched if p.resolve().is_relative_to(ROOT)]     # (the .pth files may lie elsewhere)
+    try:
+        done = subprocess.run(["git", "status", "--porcelain", "--", *mine], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:            # not a git checkout (an unpacked sdist): nothing edits it
+        return None
+    lines = done.stdout.splitlines()
+    return f"uncommitted edits in the checkout ({len(lines)} files, e.g. {lines[0].strip()})" if lines else None
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """The class graded whole, then the honest students with ``AGAIN`` graded again."""
+    """The class graded whole (``first``); the honest students alone, the very same files
+    (``honest``); the files of the ``AGAIN`` attackers graded again, on their own (``again``)."""
     watched = installation(PATHS) + [p for p in (ROOT / "Makefile", ROOT / "pyproject.toml")]
-    before = fingerprint(watched)
+    edited = _edited(watched)
+    before = _files(watched)
     workrooms = set(Path("/tmp").glob("labkit-grade-*"))
-    full, again = tmp_path_factory.mktemp("hostile-class"), tmp_path_factory.mktemp("honest-and-some")
-    build(full, list(EXPECTED))
-    build(again, AGAIN)
+    honest, full, again = (tmp_path_factory.mktemp(n) for n in ("honest-only", "hostile-class", "some-again"))
+    build(honest, [])
+    shutil.copytree(honest, full, dirs_exist_ok=True)               # copy2: the same bytes and times
+    build(full, list(EXPECTED), honest=False)
+    for name in AGAIN:
+        shutil.copytree(full / name, again / name)
     first = _grade(full)
+    only_honest = _grade(honest)
     second = _grade(again)
     time.sleep(1)
-    return {"first": first, "second": second, "before": before, "after": fingerprint(watched), "watched": watched,
-            "workrooms": set(Path("/tmp").glob("labkit-grade-*")) - workrooms, "processes": _hostile_processes()}
+    return {"first": first, "honest": only_honest, "again": second, "before": before, "after": _files(watched),
+            "edited": edited, "workrooms": set(Path("/tmp").glob("labkit-grade-*")) - workrooms,
+            "processes": _hostile_processes()}
 
 
 def _rows(book) -> dict[str, object]:
@@ -260,11 +317,13 @@ def _rows(book) -> dict[str, object]:
 
 
 def test_the_honest_students_are_graded_the_same_whoever_else_is_in_the_class(graded):
-    first, second = _rows(graded["first"]), _rows(graded["second"])
+    first, alone = _rows(graded["first"]), _rows(graded["honest"])
+    assert set(alone) == set(HONEST), sorted(alone)                  # the class without a single attacker
+    assert set(first) == set(HONEST) | set(EXPECTED), sorted(first)
     for student, (points, flags, notes) in HONEST.items():
         row = first[student]
         assert (row.points, row.flags, row.notes) == (points, flags, notes), _row(row)
-        assert _row(row) == _row(second[student]), student
+        assert _row(row) == _row(alone[student]), student
     assert graded["first"].sandbox.split()[0] in ("bwrap", "unshare"), graded["first"].sandbox
 
 
@@ -285,9 +344,11 @@ def test_no_attack_earns_a_point_it_did_not_earn_and_each_is_named(graded):
 
 
 def test_a_class_graded_twice_gives_the_same_rows(graded):
-    first, second = _rows(graded["first"]), _rows(graded["second"])
+    # The honest students' files were graded twice too (with the attackers, and without: above).
+    first, again = _rows(graded["first"]), _rows(graded["again"])
+    assert set(again) == set(AGAIN), sorted(again)
     for name in AGAIN:
-        assert _row(first[name]) == _row(second[name]), name
+        assert _row(first[name]) == _row(again[name]), name
 
 
 def test_the_checkout_is_untouched_and_nothing_of_the_attacks_is_left(graded):
@@ -295,14 +356,16 @@ def test_the_checkout_is_untouched_and_nothing_of_the_attacks_is_left(graded):
                      if graded["before"].get(p) != graded["after"].get(p))
     marked = [p for p in changed if Path(p).exists() and MARKER.encode() in Path(p).read_bytes()]
     assert not marked, f"the attacks wrote into {marked}"
-    assert not [p for p in changed if not Path(p).exists()], "files of the checkout were deleted"
-    # Other people's edits of the checkout while this test runs (a shared development machine)
-    # are not the attacks'; in CI nothing else runs, and nothing may have changed at all.
-    if os.environ.get("CI") or os.environ.get("LABKIT_STRICT_CHECKOUT"):
-        assert changed == [], changed
+    assert not [p for p in changed if not Path(p).exists() and not set(Path(p).parts) & set(CACHES)], \
+        "files of the checkout were deleted"
+    # Byte for byte but for Python's own caches, wherever nobody edits the checkout meanwhile (CI's
+    # fresh clone; a development machine's uncommitted edits may go on during the run: there
+    # only the marker tells the attacks' traces from the others').
+    if graded["edited"] is None:
+        assert [p for p in changed if not set(Path(p).parts) & set(CACHES)] == [], changed
     assert graded["processes"] == [], "processes of the attackers outlived the grading"
     assert graded["workrooms"] == set(), "grading left its scratch folders behind"
-    for book in (graded["first"], graded["second"]):
+    for book in (graded["first"], graded["honest"], graded["again"]):
         assert not any(MARKER in w for w in book.warnings), book.warnings
 
 

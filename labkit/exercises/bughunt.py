@@ -40,7 +40,10 @@ counts its calls cannot know which implementation it is given.
 Each grader comes in two halves, so that ``labkit.grade`` can run the student's test where
 it lives (their kernel, in a sandbox) and judge it where their code cannot reach: ``probe``
 runs the test in the order of a ``plan`` and returns what happened on each run as plain
-data; ``judge`` reads that and gives the verdict. In a notebook the grader does both.
+data; ``judge`` reads that and gives the verdict. In a notebook the grader does both. A test's
+answer is its code, so ``labkit.grade`` does not take the student's kernel's word for what it did
+once that says it passes (``rerun``): it runs the test's source again on its own, in a clean
+sandbox, under this module's ``probe``, and judges that run.
 """
 
 from __future__ import annotations
@@ -462,6 +465,7 @@ def _bughunt_grader(exercise: str, number: int, flaw: str, concept: str, flawed_
         judge(probe(test, plan=order), plan=order)
 
     check.probe, check.judge, check.plan = probe, judge, plan
+    check.rerun = True           # labkit.grade runs the test's source again in a clean sandbox (module docstring)
     return check
 
 

@@ -18,6 +18,7 @@ notebook installed), and the value comes back in the reply, for the judge.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path

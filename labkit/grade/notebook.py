@@ -10,7 +10,8 @@
    answer cell that hands the answers out as plain data (``checks.answer_cell``, ``probe``).
 5. Judge each exercise in this process (``judge``): *pass*, *fail* with the grader's hint,
    *not attempted* (the exercise's stub is still there, or raised ``NotImplementedError``),
-   or *not run* (the run stopped before its check).
+   or *not run* (the run stopped before its check). A bug-hunt test that passes is run again
+   on its own, from its source, in a clean sandbox, and judged on that run (``rerun``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .guard import Guard
 from .integrity import forbidden
 from .judge import PASS as JUDGED_PASS
 from .judge import UNANSWERED, judge
+from .rerun import Runner, again, run_source
 from .sandbox import Sandbox, kernel_env
 
 PASS, FAIL, NOT_ATTEMPTED, NOT_RUN = "pass", "fail", "not attempted", "not run"
@@ -244,13 +246,17 @@ def grade(sub: Submission, lab: Distributed, submissions: Path, timeout: float, 
         return row
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    _verdicts(row, cells, places, lab, run, timeout)
+
+    def run_again(grader: str, source: str, name: str, plan: dict):
+        return run_source(box, guard, workroot, job, timeout, grader, source, name, plan)
+
+    _verdicts(row, cells, places, lab, run, timeout, run_again)
     row.seconds, row.peak_mb = round(time.monotonic() - start, 1), round(run.peak_mb)
     return row
 
 
 def _verdicts(row: Row, cells: list[Cell], places: dict[str, _Place], lab: Distributed, run: Execution,
-              timeout: float) -> None:
+              timeout: float, run_again: Runner | None = None) -> None:
     """Fill ``row`` from what ran and what the answer cells handed in."""
     slot = {c.exercise: k for k, c in enumerate(cells) if c.exercise}
     answers = sorted(slot.values())
@@ -266,7 +272,9 @@ def _verdicts(row: Row, cells: list[Cell], places: dict[str, _Place], lab: Distr
         if answer.timed_out:
             result.status, result.hint = FAIL, f"cell {answer.index + 1} ran past the {timeout:g} s timeout"
             continue
-        verdict = judge(place.check, run.answers.get(result.exercise, []), place.plan)
+        handed = run.answers.get(result.exercise, [])
+        verdict = again(place.check, judge(place.check, handed, place.plan), handed, place.plan, lab.code,
+                        lab.graders, run_again)
         row.flags += [one_line(f"check {result.exercise}: {s}") for s in verdict.seen]
         stub_left = any(line.strip() in lab.stubs[result.exercise] for j in region
                         for line in cells[j].source.splitlines())

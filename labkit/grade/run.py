@@ -108,12 +108,16 @@ def grade_class(submissions: Path, *, root: Path | None = None, jobs: int = 1, t
     uses_engine = any(needs_model((paths.notebooks / n).read_text(encoding="utf-8")) for n in graded)
     extension = _prepare(uses_engine)
     import labkit
-    box, tried = detect(sandbox, plan=make_plan(hidden, extension, paths.root), limits=limits,
-                        forbidden=[str(paths.solutions), str(submissions)], readonly=labkit.__path__[0])
-    if box.drop_uid:
-        os.chmod(workroot, 0o711)                  # the jobs' uids reach their own folders in it, and list none
-    if on_sandbox:
-        on_sandbox(box, tried)
+    try:
+        box, tried = detect(sandbox, plan=make_plan(hidden, extension, paths.root), limits=limits,
+                            forbidden=[str(paths.solutions), str(submissions)], readonly=labkit.__path__[0])
+        if box.drop_uid:
+            os.chmod(workroot, 0o711)              # the jobs' uids reach their own folders in it, and list none
+        if on_sandbox:
+            on_sandbox(box, tried)                 # (which may refuse it: nothing has run yet)
+    except BaseException:
+        shutil.rmtree(workroot, ignore_errors=True)
+        raise
     before = fingerprint(installation(paths))
     guard = Guard()
     slots: queue.Queue[int] = queue.Queue()

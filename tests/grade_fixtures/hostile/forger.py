@@ -1,8 +1,9 @@
 """Attack (mine): replace the bug-hunt graders' in-kernel half (``probe``) with one that reports
 the outcomes a right test would have had. The student's kernel is the student's: what it hands
-in for a code answer can be forged by code written against labkit's grading. Must: flagged
-(the import of the grader module, and the kernel showing a grader that is not labkit's); the
-value exercise (2.1) still earns nothing."""
+in for a code answer can be forged by code written against labkit's grading. Must: nothing
+earned (a passing test is run again from its source, the stubs here, in a clean sandbox), and
+flagged (the import of the grader module, the kernel showing a grader that is not labkit's, a
+test that passed in its kernel and not on its own)."""
 # where: start
 import labkit.exercises.bughunt as bughunt
 

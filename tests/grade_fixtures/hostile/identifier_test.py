@@ -1,8 +1,8 @@
 """Attack (mine): "tests" that recognise the implementation they are given by reading its code
-through closures, instead of testing its behaviour. The implementations run in the student's
-own kernel, so nothing can stop code from reading them: this passes, and is flagged (the
-threat model of docs/grading.md: for code answers, reading the grader's implementations is
-only flagged)."""
+through closures, instead of testing its behaviour. They would pass in the student's kernel;
+the grading process runs a passing test again from its source, and this source reaches for
+closures. Must: nothing earned (not run again: it reads the implementations), flagged (the
+threat model of docs/grading.md)."""
 # where: before-checks
 import types
 

@@ -15,9 +15,11 @@ from .openmp import configure_openmp_wait
 
 configure_openmp_wait()  # before anything loads torch's OpenMP runtime: see labkit/openmp.py
 
-from .outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
-from .sampling_params import BeamSearchParams, SamplingParams
-from .structured import StructuredOutputsParams
+# The imports below come after configure_openmp_wait() on purpose: anything they pull in
+# (torch, one day) must find the OpenMP setting already made.
+from .outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from .sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
+from .structured import StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",

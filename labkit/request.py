@@ -96,8 +96,9 @@ class Request:
 
     A beam-search request (``params`` a ``BeamSearchParams``) keeps it in ``beam``, runs its
     beams with ``beam.sampling_params()`` (greedy, reporting the top log-probabilities: as
-    many as the beam step keeps candidates, set by the scheduler), and holds its search state in ``beam_search`` (set by the scheduler).
-    Its live beams are the ``seqs`` not finished; beams that died stay there, finished.
+    many as the beam step keeps candidates, set by the scheduler), and holds its search
+    state in ``beam_search`` (set by the scheduler). Its live beams are the ``seqs`` not
+    finished; beams that died stay there, finished.
 
     ``cache_salt`` (vLLM's): the prefix-cache namespace of the request's block tables. Its
     prompt reuses, and publishes, cached blocks only among requests with the same salt

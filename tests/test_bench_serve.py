@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import types
 
 import pytest
 import torch

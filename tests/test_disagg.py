@@ -180,7 +180,8 @@ def test_disaggregation_removes_prefill_interference(mixed):
     assert max(decode_itls) <= worst_decode + 1e-12
     # The KV transfer: prompt bytes over the link, from the prefill to the decode instance.
     r = dis.requests[0]
-    assert r.transfer_s == pytest.approx(r.prompt_len * H100_8B.kv_bytes_per_token / HARDWARE["h100-sxm"].link_bandwidth)
+    assert r.transfer_s == pytest.approx(r.prompt_len * H100_8B.kv_bytes_per_token
+                                         / HARDWARE["h100-sxm"].link_bandwidth)
     assert r.prefill_instance.startswith("prefill") and r.decode_instance.startswith("decode")
 
 

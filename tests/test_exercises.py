@@ -184,7 +184,8 @@ def test_every_grader_has_two_right_forms_and_four_mistakes():
 # ---- plausible wrong answers, each named after the mistake it models ------------------------------
 MISTAKES = [
     # 0.1
-    ("0.1", "counted-blocks-not-tokens", {"a0": ctx_value(lambda c: c.llm.stats()["num_total_blocks"])}, "number of blocks"),
+    ("0.1", "counted-blocks-not-tokens", {"a0": ctx_value(lambda c: c.llm.stats()["num_total_blocks"])},
+     "number of blocks"),
     ("0.1", "bytes-per-block", {"a1": ctx_value(lambda c: c.per_token * 8)}, "per block|bits"),
     ("0.1", "k-or-v-only", {"a1": ctx_value(lambda c: c.per_token // 2)}, "key AND a value"),
     ("0.1", "counted-elements-not-bytes", {"a1": ctx_value(lambda c: c.per_token // 4)}, "elements, not bytes"),
@@ -389,9 +390,11 @@ def test_engine_graders_do_not_depend_on_what_the_engine_served(ctx, capsys):
     assert verdicts() == before
 
 
-@pytest.mark.parametrize("garbage", [{"labkit": {"wall_s": 0, "output_tokens": 10}, "hf-static": {"wall_s": 1, "output_tokens": 10}},
+@pytest.mark.parametrize("garbage", [{"labkit": {"wall_s": 0, "output_tokens": 10},
+                                      "hf-static": {"wall_s": 1, "output_tokens": 10}},
                                      {"labkit": "fast", "hf-static": {}}, [1, 2], None,
-                                     {"labkit": {"wall_s": 1, "output_tokens": 10}, "hf-static": {"wall_s": 1, "output_tokens": 9}}])
+                                     {"labkit": {"wall_s": 1, "output_tokens": 10},
+                                      "hf-static": {"wall_s": 1, "output_tokens": 9}}])
 def test_speedup_grader_rejects_broken_measurements(garbage):
     with pytest.raises(AssertionError, match="measured"):
         engine.check_speedup(garbage, 1.6)
@@ -556,7 +559,8 @@ BUGHUNT_WRONG = [
     (1, "returns-the-verdict-instead-of-asserting", _returns_verdict, "returned False.*assert"),
     (2, "flaky-timing", _flaky, "(?s)then failed.*flaky"),
     (2, "tests-the-order-not-the-cost", _freed_block_reused_first, "has this flaw and no other"),
-    (2, "tight-margin-on-a-tiny-pool", lambda impl: _timing(impl, large=1_000, factor=0.5), "correct implementation too"),
+    (2, "tight-margin-on-a-tiny-pool", lambda impl: _timing(impl, large=1_000, factor=0.5),
+     "correct implementation too"),
     (3, "exposes-another-flaw", _generated, "has this flaw and no other"),
 ]
 

@@ -70,7 +70,8 @@ CH9 = [
     wrong("9.2", E.check_sampling_saving, lambda: _both(f6=E._partial_block_shared(6)), "partly filled",
           "partial-prompt-block-shared"),
     wrong("9.2", E.check_sampling_saving,
-          lambda: _both(f2=(lambda s, p, l: (l - p) / p)(*E.sampling_saving_expected(2))),
+          lambda: _both(f2=(lambda _saving, physical, logical: (logical - physical) / physical)
+                        (*E.sampling_saving_expected(2))),
           "not by those they hold", "divided-by-physical"),
     wrong("9.2", E.check_sampling_saving, lambda: _both(f6=5 / 6), "Only the prompt is shared",
           "everything-shared-but-one"),

@@ -109,7 +109,8 @@ CH4 = [
     wrong("4.1", B.check_static_batch, lambda: (39, 0.55), "also samples", "forgets-the-first-iteration's-token"),
     wrong("4.1", B.check_static_batch, lambda: (30, 0.55), "When does a static batch end", "a-guess"),
     wrong("4.1", B.check_static_batch, lambda: (88, 0.55), "side by side", "runs-requests-one-after-another"),
-    wrong("4.1", B.check_static_batch, lambda: (8, 0.55), "does not end when its first", "batch-ends-with-first-request"),
+    wrong("4.1", B.check_static_batch, lambda: (8, 0.55), "does not end when its first",
+          "batch-ends-with-first-request"),
     wrong("4.1", B.check_static_batch, lambda: (40, 0.45), "idle share", "gives-the-idle-share"),
     wrong("4.1", B.check_static_batch, lambda: (40, 0.25), "4 per iteration", "one-slot-per-token"),
     wrong("4.1", B.check_static_batch, lambda: (40, 0.2), "until its own last token", "counts-only-while-all-run"),
@@ -174,27 +175,27 @@ def slots_at(pos_fn, block_fn=None, offset_fn=None):
     return student
 
 
-def step_right(m, l, acc, s, v):
+def step_right(m, denom, acc, s, v):
     m_new = torch.maximum(m, s.max(dim=1).values)
     alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
-    return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
+    return m_new, denom * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
 
 
-def step_in_rows(m, l, acc, s, v):
+def step_in_rows(m, denom, acc, s, v):
     """The same step written row by row, returning a list."""
-    ms, ls, accs = [], [], []
+    ms, denoms, accs = [], [], []
     for r in range(s.shape[0]):
         m_new = max(float(m[r]), float(s[r].max()))
         p = torch.exp(s[r] - m_new)
         scale = math.exp(float(m[r]) - m_new) if math.isfinite(float(m[r])) else 0.0
         ms.append(m_new)
-        ls.append(float(l[r]) * scale + float(p.sum()))
+        denoms.append(float(denom[r]) * scale + float(p.sum()))
         accs.append(acc[r] * scale + p @ v)
-    return [torch.tensor(ms), torch.tensor(ls), torch.stack(accs)]
+    return [torch.tensor(ms), torch.tensor(denoms), torch.stack(accs)]
 
 
 def step_variant(rescale_l=True, rescale_acc=True, accumulate=True, subtract_max=True):
-    def student(m, l, acc, s, v):
+    def student(m, denom, acc, s, v):
         m_new = torch.maximum(m, s.max(dim=1).values)
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new[:, None]) if subtract_max else torch.exp(s)
@@ -202,14 +203,14 @@ def step_variant(rescale_l=True, rescale_acc=True, accumulate=True, subtract_max
             alpha = torch.ones_like(alpha)
         if not accumulate:
             return m_new, p.sum(dim=1), p @ v
-        return (m_new, (l * alpha if rescale_l else l) + p.sum(dim=1),
+        return (m_new, (denom * alpha if rescale_l else denom) + p.sum(dim=1),
                 (acc * alpha[:, None] if rescale_acc else acc) + p @ v)
     return student
 
 
-def step_max_over_columns(m, l, acc, s, v):
+def step_max_over_columns(m, denom, acc, s, v):
     m_new = s.max(dim=0).values                  # over the tile's rows instead of each row's scores
-    return m_new, l, acc
+    return m_new, denom, acc
 
 
 online_softmax_step = step_right      # the notebook's name for exercise 5.2's answer
@@ -224,15 +225,15 @@ def decode_variant(use_table=True, whole_blocks=False, gqa="group", partial_last
         out = torch.empty_like(q)
         for h in range(num_heads):
             kv = h // group if gqa == "group" else h % kv_heads
-            m, l, acc = torch.full((1,), -math.inf), torch.zeros(1), torch.zeros(1, d)
+            m, denom, acc = torch.full((1,), -math.inf), torch.zeros(1), torch.zeros(1, d)
             n_blocks = math.ceil(context_len / bs) if partial_last else context_len // bs
             for i in range(n_blocks):
                 block = int(block_table[i]) if use_table else i
                 n = bs if whole_blocks else min(bs, context_len - i * bs)
                 k, v = k_cache[block, :n, kv], v_cache[block, :n, kv]
                 scores = q[h:h + 1] @ k.T * (scale if scale_scores else 1.0)
-                m, l, acc = online_softmax_step(m, l, acc, scores, v)
-            out[h] = (acc / l[:, None])[0]
+                m, denom, acc = online_softmax_step(m, denom, acc, scores, v)
+            out[h] = (acc / denom[:, None])[0]
         return out
     return student
 
@@ -302,7 +303,7 @@ CH5 = [
           "exp-without-subtracting-the-maximum"),
     wrong("5.2", K.check_online_softmax, lambda: (step_max_over_columns,), "expected shape",
           "maximum-over-the-wrong-dimension"),
-    wrong("5.2", K.check_online_softmax, lambda: (lambda m, l, acc, s, v: None,), "return the three updated values",
+    wrong("5.2", K.check_online_softmax, lambda: (lambda m, denom, acc, s, v: None,), "return the three updated values",
           "updates-in-place-returns-nothing"),
     right("5.3", K.check_paged_decode, lambda: (decode_variant(),), "tile-by-tile"),
     right("5.3", K.check_paged_decode, lambda: (decode_vectorized,), "gather-all-slots"),
@@ -484,7 +485,8 @@ CH8 = [
           "bare-milliseconds"),
     wrong("8.1", S.check_ttft_p50, lambda: (f"{MEDIAN} ms", TIMINGS), "unit mix-up.*You wrote ms",
           "seconds-labelled-ms"),
-    wrong("8.1", S.check_ttft_p50, lambda: (-MEDIAN, TIMINGS), "negative.*wrong way round", "subtracts-the-wrong-way-round"),
+    wrong("8.1", S.check_ttft_p50, lambda: (-MEDIAN, TIMINGS), "negative.*wrong way round",
+          "subtracts-the-wrong-way-round"),
     wrong("8.1", S.check_ttft_p50, lambda: (MEDIAN, []), "no timings", "no-requests-sent-yet"),
     wrong("8.1", S.check_ttft_p50, lambda: ("fast", TIMINGS), "ttft_p50", "words"),
     right("8.2", S.check_joins, lambda: _joins(), "dict-and-set"),

@@ -232,9 +232,11 @@ def test_hints_of_10_1_point_at_the_step_not_the_distance():
     f = P.EX1_FOLLOW_UP
     for name in P.EX1_CACHES:
         for value, hint in P._ex1_mistakes(name):
-            numbers = re.findall(r"\d+", re.sub(r"turn \d", "", hint, flags=re.IGNORECASE))       # "turn 1" names a turn
+            # "turn 1" names a turn
+            numbers = re.findall(r"\d+", re.sub(r"turn \d", "", hint, flags=re.IGNORECASE))
             assert set(numbers) <= {"0", str(BS)}, (name, value, hint)
-            assert not re.search(r"too many|too few|one token (too|more|less)|a number of blocks", hint, re.IGNORECASE), hint
+            assert not re.search(r"too many|too few|one token (too|more|less)|a number of blocks", hint,
+                                 re.IGNORECASE), hint
     # counted the new message, with or without the last sampled token: the same hint, no count confirmed
     # (the last sampled token alone is one off the answer: it gets the method hint, like any answer)
     assert _hint("radix_page1_tokens", E1 + f) == _hint("radix_page1_tokens", E1 + f - 1)

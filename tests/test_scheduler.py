@@ -180,8 +180,13 @@ def test_finished_request_frees_blocks_and_a_waiting_one_joins_next_iteration():
         engine.step()
         steps_done += 1
     assert engine.scheduler.num_waiting == 1          # "late" waited: max_num_seqs=2
+    assert late.first_scheduled_time is None and late.seqs[0].status is Status.WAITING
     plan = engine.scheduler.schedule()
-    assert "late" in [s.seq.request.request_id for s in plan.scheduled]
+    assert late in [s.seq.request for s in plan.scheduled]
+    engine.scheduler.update(plan, engine.executor.execute(plan).sampled, 0.0)
+    while engine.has_unfinished:
+        engine.step()
+    assert late.finished and late.seqs[0].num_output_tokens == 3
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_mixes_decodes():

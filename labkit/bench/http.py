@@ -693,10 +693,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--url", default=None, help="a running server (loopback), e.g. http://127.0.0.1:8000")
-    where.add_argument("--model", default=None, help="start a server with this model for the run (tiny-llama, smollm2-135m, ...)")
+    where.add_argument("--model", default=None,
+                       help="start a server with this model for the run (tiny-llama, smollm2-135m, ...)")
     p.add_argument("--server-args", default="", help="extra options for the started server, e.g. '--num-blocks 512'")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
-    p.add_argument("--num-requests", type=int, default=None, help="requests per level (default: 4 x concurrency, at least 8)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per level (default: 4 x concurrency, at least 8)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (exact: ignore_eos)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     p.add_argument("--seed", type=int, default=0)

@@ -153,7 +153,8 @@ def real_rounds(workload: str) -> list[list]:
         wave = [(f"q{i}", None, REAL_SYSTEM + "Question: " + q) for i, q in enumerate(REAL_QUESTIONS)]
         return [wave[:3], wave[3:]]
     if workload == "multi-turn":
-        first = [(f"s{i}t0", None, REAL_SYSTEM + "User: " + q + "\nAssistant:") for i, q in enumerate(REAL_QUESTIONS[:4])]
+        first = [(f"s{i}t0", None, REAL_SYSTEM + "User: " + q + "\nAssistant:")
+                 for i, q in enumerate(REAL_QUESTIONS[:4])]
         rounds = [first]
         for t, follow in enumerate(REAL_FOLLOW_UPS[:2], 1):
             rounds.append([(f"s{i}t{t}", f"s{i}t{t - 1}", "\nUser: " + follow + "\nAssistant:") for i in range(4)])
@@ -250,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefix: unknown workloads {[w for w in chosen if w not in names]}; choose from {names}",
               file=sys.stderr)
         return 2
-    settings = {"mode": "real" if args.real else "sim", "model": args.model if args.real else "simulated SmolLM2-135M cost",
+    settings = {"mode": "real" if args.real else "sim",
+                "model": args.model if args.real else "simulated SmolLM2-135M cost",
                 "block_size": args.block_size, "num_blocks": args.num_blocks or (256 if args.real else 1024),
                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "repeat": 1 if args.real else args.repeat}

@@ -13,12 +13,13 @@ ratio between engines, all from the same run.
     python -m labkit.bench serve --engines labkit,hf-static --contend
 
 Engines: ``labkit``; ``labkit-numba`` (labkit with its C++ CPU kernels off,
-``LABKIT_CPU_EXTENSION=0``: the Numba decode loop, unfused element-wise ops); ``hf-static`` (transformers ``generate`` on left-padded batches,
-``--hf-batch-size``, default 16); ``hf-cb`` (transformers' own continuous batching,
-``generate_batch``, when this transformers has it); ``vllm`` (its CPU build lives in its own
-venv, ``make vllm-venv``, whose ``.venv-vllm`` is found; elsewhere pass its interpreter with
-``--vllm-python PATH``). ``--python ENGINE=PATH`` runs any engine with another interpreter.
-An engine that fails is reported as skipped, with the reason.
+``LABKIT_CPU_EXTENSION=0``: the Numba decode loop, unfused element-wise ops); ``hf-static``
+(transformers ``generate`` on left-padded batches, ``--hf-batch-size``, default 16);
+``hf-cb`` (transformers' own continuous batching, ``generate_batch``, when this transformers
+has it); ``vllm`` (its CPU build lives in its own venv, ``make vllm-venv``, whose
+``.venv-vllm`` is found; elsewhere pass its interpreter with ``--vllm-python PATH``).
+``--python ENGINE=PATH`` runs any engine with another interpreter. An engine that fails is
+reported as skipped, with the reason.
 
 ``--dtype float32|bfloat16`` goes to every engine (weights and KV cache). ``--contend`` times
 each engine a second time with one competing CPU-bound process running (a busy machine), and
@@ -272,7 +273,8 @@ def prepare_vllm(w: dict, args) -> Prepared:
                     close=llm.llm_engine.engine_core.shutdown)
 
 
-PREPARERS = {"labkit": prepare_labkit, "labkit-numba": prepare_labkit_numba, "hf-static": prepare_hf_static, "hf-cb": prepare_hf_cb, "vllm": prepare_vllm}
+PREPARERS = {"labkit": prepare_labkit, "labkit-numba": prepare_labkit_numba, "hf-static": prepare_hf_static,
+             "hf-cb": prepare_hf_cb, "vllm": prepare_vllm}
 
 
 @contextlib.contextmanager

@@ -129,7 +129,8 @@ def table(rows: list[dict], real: list[dict]) -> str:
         lines.append(f"{dataset:<10} {method:<9} " + " ".join(
             f"{cells[w]:>6.1f}%" if w in cells else f"{'':>7}" for w in _widths(rows))
             + f"   {low:.1f}-{high:.1f}%")
-    preempted = {f"{r['dataset']} {r['method']} {r['width']}": r["num_preemptions"] for r in rows if r["num_preemptions"]}
+    preempted = {f"{r['dataset']} {r['method']} {r['width']}": r["num_preemptions"]
+                 for r in rows if r["num_preemptions"]}
     if preempted:
         lines.append("preemptions (a preempted sample or beam is recomputed alone, unshared): "
                      + ", ".join(f"{k}: {v}" for k, v in preempted.items()))

@@ -175,8 +175,9 @@ def graded(exercise: str, *, plain: Mapping[str, Callable[[object], object]] | N
     ``plain`` maps a parameter that may hold a live object (the engine, its step records) to
     the function that extracts the plain facts the grader needs from it. The grader's body
     only ever sees those facts: a live argument is converted first (a Mapping or list is taken
-    as facts already, and so is a list of Mappings), and ``wrapper.plain_arguments(*args, **kwargs)`` returns every argument
-    as JSON-ready data (see the module docstring)."""
+    as facts already, and so is a list of Mappings), and
+    ``wrapper.plain_arguments(*args, **kwargs)`` returns every argument as JSON-ready data
+    (see the module docstring)."""
     extractors = dict(plain or {})
 
     def decorate(grader: F) -> F:

@@ -213,31 +213,35 @@ _two_halves(check_slot_mapping, _probe_slot_mapping, _judge_slot_mapping)
 
 
 # ---- exercise 5.2: the online softmax step -------------------------------------------------
-def _reference_step(m, l, acc, s, v, rescale_acc=True, rescale_l=True, accumulate=True):
-    """The step, or one of the mistakes students make (a flag switched off)."""
+def _reference_step(m, denom, acc, s, v, rescale_acc=True, rescale_l=True, accumulate=True):
+    """The step, or one of the mistakes students make (a flag switched off). ``denom`` is the
+    running denominator, the exercise's ``l``."""
     m_new = torch.maximum(m, s.max(dim=1).values)
     alpha = torch.exp(m - m_new)
     p = torch.exp(s - m_new[:, None])
     if not accumulate:
         return m_new, p.sum(dim=1), p @ v
-    l_new = (l * alpha if rescale_l else l) + p.sum(dim=1)
+    denom_new = (denom * alpha if rescale_l else denom) + p.sum(dim=1)
     acc_new = (acc * alpha[:, None] if rescale_acc else acc) + p @ v
-    return m_new, l_new, acc_new
+    return m_new, denom_new, acc_new
 
 
 def _fold(step: Callable, s_tiles, v_tiles, rows: int, d: int, name: str):
     __tracebackhide__ = True     # tracebacks show the student's cell, not the grader
     m = torch.full((rows,), float("-inf"), dtype=torch.float64)
-    l = torch.zeros(rows, dtype=torch.float64)
+    denom = torch.zeros(rows, dtype=torch.float64)     # the running denominator, the exercise's l
     acc = torch.zeros(rows, d, dtype=torch.float64)
     for s, v in zip(s_tiles, v_tiles):
-        out = _call(step, name, m.clone(), l.clone(), acc.clone(), s.clone(), v.clone()) if name else step(m, l, acc, s, v)
+        if name:
+            out = _call(step, name, m.clone(), denom.clone(), acc.clone(), s.clone(), v.clone())
+        else:
+            out = step(m, denom, acc, s, v)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             fail(f"{name}: return the three updated values (m, l, acc), got {type(out).__name__}.")
         m = _as_tensor(f"{name}: m", out[0], (rows,), torch.float64)
-        l = _as_tensor(f"{name}: l", out[1], (rows,), torch.float64)
+        denom = _as_tensor(f"{name}: l", out[1], (rows,), torch.float64)
         acc = _as_tensor(f"{name}: acc", out[2], (rows, d), torch.float64)
-    return m, l, acc
+    return m, denom, acc
 
 
 def _softmax_cases():
@@ -249,7 +253,8 @@ def _softmax_cases():
         cases.append((rows, d, s, v, "random scores"))
     # Rising scores: every tile raises the maximum, so a missing rescale shows.
     rows, d, tile = 2, 4, 8
-    s = [torch.full((rows, tile), 3.0 * k, dtype=torch.float64) + torch.randn(rows, tile, generator=g, dtype=torch.float64)
+    s = [torch.full((rows, tile), 3.0 * k, dtype=torch.float64)
+         + torch.randn(rows, tile, generator=g, dtype=torch.float64)
          for k in range(4)]
     v = [torch.randn(tile, d, generator=g, dtype=torch.float64) for _ in range(4)]
     cases.append((rows, d, s, v, "scores that grow from tile to tile"))
@@ -268,8 +273,8 @@ def _softmax_cases():
 def _probe_online_softmax(online_softmax_step: object, *, plan: dict | None = None) -> list:
     def fold(step, case):
         rows, d, s_tiles, v_tiles, _ = case
-        m, l, acc = _fold(step, s_tiles, v_tiles, rows, d, "online_softmax_step")
-        return {"m": _to_data(m), "l": _to_data(l), "acc": _to_data(acc)}
+        m, denom, acc = _fold(step, s_tiles, v_tiles, rows, d, "online_softmax_step")
+        return {"m": _to_data(m), "l": _to_data(denom), "acc": _to_data(acc)}
     return _probe_cases(online_softmax_step, "online_softmax_step",
                         [lambda step, case=case: fold(step, case) for case in _softmax_cases()])
 
@@ -280,11 +285,11 @@ def _judge_online_softmax(ran: object, *, plan: dict | None = None) -> None:
     cases = _softmax_cases()
     for (rows, d, s_tiles, v_tiles, what), out in zip(cases, _cases_run(name, ran, len(cases))):
         m = _received(f"{name}: m", out.get("m"), (rows,), torch.float64)
-        l = _received(f"{name}: l", out.get("l"), (rows,), torch.float64)
+        denom = _received(f"{name}: l", out.get("l"), (rows,), torch.float64)
         acc = _received(f"{name}: acc", out.get("acc"), (rows, d), torch.float64)
         s_all, v_all = torch.cat(s_tiles, dim=1), torch.cat(v_tiles, dim=0)
         expected = torch.softmax(s_all, dim=1) @ v_all
-        out = acc / l[:, None]
+        out = acc / denom[:, None]
         if torch.isfinite(out).all() and torch.allclose(out, expected, rtol=_RTOL, atol=_ATOL):
             if not torch.allclose(m, s_all.max(dim=1).values):
                 fail(f"{name}: the output is right but m is not the running maximum of the scores.")

@@ -10,30 +10,41 @@ from __future__ import annotations
 # (metric name, kind, stats key, help)
 METRICS = [
     ("labkit_num_requests_running", "gauge", "num_requests_running", "Requests with a sequence in the running batch."),
-    ("labkit_num_requests_waiting", "gauge", "num_requests_waiting", "Requests waiting to be (re)admitted to the batch."),
-    ("labkit_num_requests_pending", "gauge", "num_requests_pending", "Requests not yet in any iteration (bounded by max_waiting)."),
+    ("labkit_num_requests_waiting", "gauge", "num_requests_waiting",
+     "Requests waiting to be (re)admitted to the batch."),
+    ("labkit_num_requests_pending", "gauge", "num_requests_pending",
+     "Requests not yet in any iteration (bounded by max_waiting)."),
     ("labkit_num_seqs_running", "gauge", "num_running", "Sequences in the running batch."),
     ("labkit_num_seqs_waiting", "gauge", "num_waiting", "Sequences in the waiting queue."),
     ("labkit_kv_blocks_total", "gauge", "num_total_blocks", "KV cache blocks in the pool."),
     ("labkit_kv_blocks_free", "gauge", "num_free_blocks", "KV blocks that can be allocated (free or cached-free)."),
     ("labkit_kv_blocks_used", "gauge", "num_used_blocks", "KV blocks held by at least one sequence."),
-    ("labkit_kv_blocks_cached_free", "gauge", "num_cached_free_blocks", "Free KV blocks still holding a reusable prefix."),
-    ("labkit_kv_cache_usage", "gauge", "kv_cache_usage", "Share of the KV blocks held by sequences (vLLM's KV-cache usage)."),
-    ("labkit_held_slot_fill", "gauge", "held_slot_fill", "Share of the slots in held blocks that hold a token (0 when none is held)."),
-    ("labkit_prefix_cache_hit_rate", "gauge", "prefix_cache_hit_rate", "Share of looked-up prompt blocks found in the prefix cache."),
+    ("labkit_kv_blocks_cached_free", "gauge", "num_cached_free_blocks",
+     "Free KV blocks still holding a reusable prefix."),
+    ("labkit_kv_cache_usage", "gauge", "kv_cache_usage",
+     "Share of the KV blocks held by sequences (vLLM's KV-cache usage)."),
+    ("labkit_held_slot_fill", "gauge", "held_slot_fill",
+     "Share of the slots in held blocks that hold a token (0 when none is held)."),
+    ("labkit_prefix_cache_hit_rate", "gauge", "prefix_cache_hit_rate",
+     "Share of looked-up prompt blocks found in the prefix cache."),
     ("labkit_max_waiting", "gauge", "max_waiting", "Bound on pending requests (-1: none)."),
-    ("labkit_num_preemptions_total", "counter", "num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks."),
+    ("labkit_num_preemptions_total", "counter", "num_preemptions",
+     "Sequences preempted (recomputed later) for lack of KV blocks."),
     ("labkit_prompt_tokens_total", "counter", "prompt_tokens", "Prompt tokens of admitted requests."),
-    ("labkit_prompt_tokens_computed_total", "counter", "num_prompt_tokens_computed", "Prompt tokens computed (prefix-cache hits excluded)."),
-    ("labkit_prompt_tokens_cached_total", "counter", "num_cached_prompt_tokens", "Prompt tokens served from the prefix cache."),
+    ("labkit_prompt_tokens_computed_total", "counter", "num_prompt_tokens_computed",
+     "Prompt tokens computed (prefix-cache hits excluded)."),
+    ("labkit_prompt_tokens_cached_total", "counter", "num_cached_prompt_tokens",
+     "Prompt tokens served from the prefix cache."),
     ("labkit_generation_tokens_total", "counter", "num_generated_tokens", "Tokens generated."),
     ("labkit_engine_steps_total", "counter", "num_steps", "Engine iterations run."),
     ("labkit_requests_finished_total", "counter", "requests_finished", "Requests that finished (stop or length)."),
-    ("labkit_requests_aborted_total", "counter", "requests_aborted", "Requests aborted (client gone, cancelled, shutdown)."),
+    ("labkit_requests_aborted_total", "counter", "requests_aborted",
+     "Requests aborted (client gone, cancelled, shutdown)."),
     # Speculative decoding (only when the engine speculates), vLLM's spec_decode_* names.
     ("labkit_spec_decode_num_drafts_total", "counter", "spec_decode_num_drafts",
      "Sequence-steps that verified at least one guessed token."),
-    ("labkit_spec_decode_num_draft_tokens_total", "counter", "spec_decode_num_draft_tokens", "Guessed tokens verified."),
+    ("labkit_spec_decode_num_draft_tokens_total", "counter", "spec_decode_num_draft_tokens",
+     "Guessed tokens verified."),
     ("labkit_spec_decode_num_accepted_tokens_total", "counter", "spec_decode_num_accepted_tokens",
      "Guessed tokens the target kept."),
     ("labkit_spec_decode_acceptance_rate", "gauge", "spec_decode_acceptance_rate",
@@ -99,7 +110,8 @@ KEY_METRICS = [
      "Prompt tokens of the key's requests served from the prefix cache (hits on the key's own prompts "
      "unless the server shares the cache across keys)."),
     ("labkit_key_generation_tokens_total", "counter", "generation_tokens", "Tokens generated for the key."),
-    ("labkit_key_concurrency", "gauge", "concurrency", "Sequences the key has running or waiting (what the cap bounds)."),
+    ("labkit_key_concurrency", "gauge", "concurrency",
+     "Sequences the key has running or waiting (what the cap bounds)."),
     ("labkit_key_queued", "gauge", "queued", "Sequences of the key waiting in the gate for their round-robin turn."),
     ("labkit_key_streams_stalled_total", "counter", "stalled", "Streams aborted because the client stopped reading."),
 ]
@@ -115,7 +127,8 @@ def render_client_metrics(gate, auth_failures: dict[str, int], connections) -> s
     for name, kind, attr, help_text in KEY_METRICS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
         lines += [f'{name}{{key="{_label(c)}"}} {getattr(u, attr)}' for c, u in clients]
-    lines += ["# HELP labkit_key_errors_total Error responses to the key's requests, by HTTP status (429: over its share).",
+    lines += ["# HELP labkit_key_errors_total Error responses to the key's requests, by HTTP status "
+              "(429: over its share).",
               "# TYPE labkit_key_errors_total counter"]
     lines += [f'labkit_key_errors_total{{key="{_label(c)}",status="{code}"}} {n}'
               for c, u in clients for code, n in sorted(u.errors.items())]

@@ -159,7 +159,6 @@ def multi_turn_trace(num_sessions: int = 64, turns: int = 4, system_prompt_len: 
                          "output_len": rng.randint(*output_len)})
             t += rng.expovariate(1.0 / think_time_s) if think_time_s > 0 else 0.0
     history: dict[int, tuple[int, ...]] = {}
-    trace: list[TraceRequest] = []
     for r in sorted(_number(plan), key=lambda r: (r["session"], r["turn"])):
         prompt = history.get(r["session"], system) + r["user"]
         history[r["session"]] = prompt + _sim_output(r["index"], len(prompt), r["output_len"], vocab_size)

@@ -101,7 +101,8 @@ def beam_figure_dict(snap: dict, max_steps: int | None = None, title: str | None
         "title": {"text": f"{heading}<br><sub>{snap['physical']} blocks held, {snap['logical']} without "
                           f"sharing ({saved} saved) · forks {snap['forks']} · deaths {snap['deaths']} · "
                           f"copy-on-write copies {snap['copies']}</sub>", "x": 0.01},
-        "showlegend": False, "height": 260 + 26 * rows + 30 * pool_rows, "margin": {"l": 10, "r": 10, "t": 110, "b": 10},
+        "showlegend": False, "height": 260 + 26 * rows + 30 * pool_rows,
+        "margin": {"l": 10, "r": 10, "t": 110, "b": 10},
         "plot_bgcolor": "white",
         "xaxis": {**hidden, "domain": [0, 0.38], "range": [-0.5, last + 1.2]},
         "yaxis": {**hidden, "domain": [0.38, 1], "range": [-rows + 0.5, 0.6]},
@@ -206,7 +207,8 @@ def record_engine_beams(engine, prompt_token_ids: list[int], params, request_id:
                 died[s.index] = step
         new = [f"b{parents[i]}→b{i}" for i in parents if born[i] == step]
         gone = [f"b{i}" for i in died if died[i] == step]
-        what = ([f"fork {', '.join(new)}"] if new else []) + ([f"{', '.join(gone)} {'dies' if len(gone) == 1 else 'die'}"] if gone else [])
+        what = (([f"fork {', '.join(new)}"] if new else [])
+                + ([f"{', '.join(gone)} {'dies' if len(gone) == 1 else 'die'}"] if gone else []))
         snaps.append(snap(f"iteration {step}: " + ("; ".join(what) or ("finished" if request.finished
                                                                         else "the beams compute"))))
     return snaps

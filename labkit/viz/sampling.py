@@ -114,8 +114,9 @@ def sampling_data(output: "RequestOutput | CompletionOutput",
     """The figure's numbers: ``{"labels": [RAW_LABEL, *settings], "steps": [{"position",
     "chosen", "chosen_text", "tokens", "token_ids", "reported", "rest", "bars": {label: [p, ...]}}]}``,
     each step's ``top`` most likely reported tokens (``reported``: how many the engine
-    reported, over which the settings' bars are renormalised; ``rest``: the raw mass beyond them). Each setting is applied with the tokens
-    the output generated before that step (so penalties grow as the text repeats itself)."""
+    reported, over which the settings' bars are renormalised; ``rest``: the raw mass
+    beyond them). Each setting is applied with the tokens the output generated before that
+    step (so penalties grow as the text repeats itself)."""
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top={top!r}: must be an integer >= 1 (how many tokens to draw per step)")
     settings = dict(settings or {})

@@ -31,7 +31,10 @@ Conventions the notebooks follow (and the tests check):
   cell. On Colab and wherever labkit is not installed, it installs labkit from
   ``LABKIT_SOURCE`` (this module's constant, or the environment variable of that name at run
   time), and where that source cannot be reached it fails at once, saying what to set and
-  where the wheel comes from. ``colab`` writes it into every solution; ``check`` fails when
+  where the wheel comes from. On a machine without an NVIDIA GPU it then compiles the C++ CPU
+  kernels (``python -m labkit kernels``, which says how long that takes and counts the seconds),
+  so that no later cell waits on a compiler; on a GPU runtime Triton's kernels run instead, and
+  nothing is compiled. ``colab`` writes it into every solution; ``check`` fails when
   one differs or stands elsewhere;
 * a notebook imports labkit before torch (``import labkit`` sets how OpenMP's threads wait,
   which only works before torch loads): ``torch_before_labkit`` finds a cell that does not;
@@ -86,7 +89,7 @@ LABKIT_SOURCE = "git+https://github.com/labkit-lab/labkit"
 INSTALL_CELL = """\
 #@title Install labkit where it is missing (Colab, Kaggle); under `make lab` this cell does nothing
 # From $LABKIT_SOURCE when set (your course's labkit wheel: a path or URL), else from the default below.
-import importlib.util, os, pathlib, re, sys, urllib.request
+import glob, importlib.util, os, pathlib, re, sys, urllib.request
 if getattr(importlib.util.find_spec("labkit"), "origin", None) is None:   # (a folder named labkit is not it)
     src = os.environ.get("LABKIT_SOURCE", @SOURCE@)
     src = src if "://" in src else pathlib.Path(src).resolve().as_uri()
@@ -100,6 +103,8 @@ if getattr(importlib.util.find_spec("labkit"), "origin", None) is None:   # (a f
     if globals().get("_exit_code"):
         raise RuntimeError(f"pip could not install labkit from {src}: its message is above.")
     importlib.invalidate_caches()
+    if not glob.glob("/dev/nvidia[0-9]*"):     # no NVIDIA GPU: compile the C++ CPU kernels now, not in a later cell
+        !"{sys.executable}" -m labkit kernels
 if "google.colab" in sys.modules:
     import plotly.io as pio
     pio.renderers.default = "colab"\
@@ -494,7 +499,7 @@ def match_check_cells(submitted, distributed) -> tuple[list[CheckCellMatch], lis
                 found[k] = i
                 used.add(i)
     matches = []
-    for (index, cell), i in zip(wanted, found):
+    for (index, cell), i in zip(wanted, found, strict=True):
         source = _source(cell)
         edited = i is not None and _normalized(_source(submitted.cells[i])) != _normalized(source)
         matches.append(CheckCellMatch(index, source.lstrip("\n").splitlines()[0].strip(), source, i, edited))

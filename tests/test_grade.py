@@ -37,7 +37,7 @@ from labkit.exercises import bughunt  # noqa: E402
 from labkit.exercises.points import POINTS, points  # noqa: E402
 from labkit.grade import FAIL, NOT_ATTEMPTED, NOT_RUN, PASS, Gradebook, Result, Row, collect, csv_text  # noqa: E402
 from labkit.grade import html_text  # noqa: E402
-from labkit.grade.checks import compare, read_checks  # noqa: E402
+from labkit.grade.checks import compare  # noqa: E402
 from labkit.grade.collect import exercises_of  # noqa: E402
 from labkit.grade.execute import CellRun, Execution  # noqa: E402
 from labkit.grade.formats import Unreadable, parse  # noqa: E402
@@ -47,8 +47,7 @@ from labkit.grade.judge import UNANSWERED, form, judge  # noqa: E402
 from labkit.grade.notebook import Distributed, _verdicts, prepare  # noqa: E402
 from labkit.grade.probe import IN_KERNEL  # noqa: E402
 from labkit.grade.report import row_line, summary_text  # noqa: E402
-from labkit.notebooks import (Paths, exercise_id, is_check_cell, is_stub_cell, match_check_cells,  # noqa: E402
-                              read)
+from labkit.notebooks import Paths, exercise_id, is_check_cell, match_check_cells, read  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PATHS = Paths(ROOT)
@@ -188,7 +187,8 @@ def test_one_row_per_student_and_notebook_the_newest_file_graded(tmp_path):
     text = (PATHS.notebooks / CHAPTER).read_text()
     now = time.time()
     for relative, age in (("alice/02_paging.ipynb", 300), ("alice/02_paging (1).ipynb", 0),
-                          ("alice/old/02_paging.ipynb", 900), ("bob__02_paging.ipynb", 50), ("bob/02_paging.ipynb", 50)):
+                          ("alice/old/02_paging.ipynb", 900), ("bob__02_paging.ipynb", 50),
+                          ("bob/02_paging.ipynb", 50)):
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(text)
         os.utime(tmp_path / relative, (now - age, now - age))
@@ -367,14 +367,16 @@ def test_honest_code_raises_no_flag():
     """Names that start with check, looking at code, timing, threads, printing: all honest."""
     cells = [(0, "check_count = 3\ncheck_id = 'x'\ndef check_total():\n    return check_count\n"
                  "class check_list(list):\n    pass"),
-             (1, "import inspect\nfrom labkit.exercises.bughunt import naive\nprint(inspect.getsource(naive.BlockManager))"),
+             (1, "import inspect\nfrom labkit.exercises.bughunt import naive\n"
+                 "print(inspect.getsource(naive.BlockManager))"),
              (2, "import time, threading, math, os\nt = time.perf_counter()\nos.environ.get('HOME')\nos.getcwd()"),
              (3, '"""A docstring that mentions labkit.exercises and the solutions of builtins."""\nx = 1'),
              (4, "%time x = sum(range(10))\n!nvidia-smi\n!pip list\n%pip install plotly"),
              (5, "import plotly.io as pio\npio.renderers.default = 'notebook'\nimport torch\n"
                  "torch.backends.cudnn.benchmark = True"),
              (6, "%pip install -q labkit\nimport importlib.util, sys\nif 'google.colab' in sys.modules:\n    pass")]
-    distributed = ["%pip install labkit\nimport importlib.util, sys\nif 'google.colab' in sys.modules:\n    import plotly.io",
+    distributed = ["%pip install labkit\nimport importlib.util, sys\n"
+                   "if 'google.colab' in sys.modules:\n    import plotly.io",
                    "from labkit.exercises.bughunt import naive, paged, time_allocations"]
     assert forbidden(cells, distributed, {"check_exercise_2"}) == []
     assert [u.text() for u in forbidden([(0, "import sys\nsys.modules.clear()")], distributed)] == [
@@ -435,7 +437,8 @@ def test_the_judge_reads_only_plain_data_and_never_takes_a_kernel_at_its_word():
             ([fine, fine], "2 answers were handed in"),
             (["not json"], "not readable data"),
             (["[" * 100_000], "not readable data"),
-            ([json.dumps({"exercise": "2.2", "plain": {"args": [5, 10, 10 / 70], "kwargs": {}}})], "not this exercise's"),
+            ([json.dumps({"exercise": "2.2", "plain": {"args": [5, 10, 10 / 70], "kwargs": {}}})],
+             "not this exercise's"),
             ([json.dumps({"exercise": "2.1", "verdict": {"status": "pass"}})], "not in the form its grader reads"),
             ([json.dumps({"exercise": "2.1", "ran": {"outcomes": []}})], "not in the form its grader reads"),
             ([json.dumps({"exercise": "2.1", "plain": {"args": [5, 10], "kwargs": {}}})], "2.1"),
@@ -480,7 +483,8 @@ def test_verdicts_from_what_the_cells_raised():
         cells, places = prepare(row, nb, lab)
         handed = _handed(cells, namespace)
         last = len(cells) if stopped_at is None else stopped_at + 1
-        run = Execution({k: CellRun(c.index, errors.get(c.index) if not c.exercise else errors.get(("answer", c.exercise)),
+        run = Execution({k: CellRun(c.index,
+                                    errors.get(c.index) if not c.exercise else errors.get(("answer", c.exercise)),
                                     (errors.get(c.index) or ("",))[0] == "CellTimeout", c.exercise)
                          for k, c in enumerate(cells[:last])},
                         {e: t for e, t in handed.items()}, "stopped" if stopped_at is not None else None, stopped_at)
@@ -497,7 +501,8 @@ def test_verdicts_from_what_the_cells_raised():
     assert got[0] == (FAIL, f"cell {value + 1} raised TypeError: bad operand") and notes == []
     got, _, _ = verdicts(solved, partial, {})
     assert got[0] == (FAIL, "not answered: NameError: name 'num_blocks' is not defined")
-    got, notes, _ = verdicts(unsolved, {}, {_cell(unsolved, "blocks are allocated whole"): ("NotImplementedError", "x")})
+    got, notes, _ = verdicts(unsolved, {},
+                             {_cell(unsolved, "blocks are allocated whole"): ("NotImplementedError", "x")})
     assert [s for s, _ in got] == [NOT_ATTEMPTED] * 4 and notes == []        # stubs: not attempted, no note
     check_23 = _cell(solved, "# CHECK exercise 2.3")
     got, notes, _ = verdicts(solved, answers, {("answer", "2.3"): ("CellTimeout", "ran past")}, stopped_at=None)
@@ -732,13 +737,16 @@ EXPECTED_ROWS = [
      ["fail: internal_fragmentation: 0.125", "pass",
       "fail: the answer handed in is not in the form its grader reads (ran)", "pass"],
      "edited check cell 2.1: its grader call was removed (graded with the distributed one); "
-     "cell $patch imports labkit.exercises.bughunt; cell $patch replaces labkit.exercises.bughunt.check_free_list_test; "
+     "cell $patch imports labkit.exercises.bughunt; "
+     "cell $patch replaces labkit.exercises.bughunt.check_free_list_test; "
      "check 2.3: handed in a verdict answer where the grader reads ran; "
      "check 2.3: labkit.exercises.bughunt.check_free_list_test is not labkit's grader", ""),
-    ("frank", CHAPTER, "frank/02_paging.ipynb", 9, ["fail: cell $loop ran past the 30 s timeout", "pass", "pass", "pass"],
+    ("frank", CHAPTER, "frank/02_paging.ipynb", 9,
+     ["fail: cell $loop ran past the 30 s timeout", "pass", "pass", "pass"],
      "cell $loop ran past the 30 s timeout", ""),
     ("grace", CHAPTER, "grace/02_paging.ipynb", 4, ["pass", "pass", "not run", "not run"], "",
-     "cell $exit raised SystemExit: done here; the kernel died by cell $dead (exit(), os._exit, a crash or out of memory)"),
+     "cell $exit raised SystemExit: done here; "
+     "the kernel died by cell $dead (exit(), os._exit, a crash or out of memory)"),
     ("judy", CHAPTER, "judy/02_paging.ipynb", 0, ["not run"] * 4, "",
      "corrupt: not JSON (JSONDecodeError: Expecting ',' delimiter: line 1 column 51 (char 50))"),
     ("kim", CHAPTER, "", 0, ["not run"] * 4, "", "missing: not handed in"),

@@ -9,7 +9,9 @@
 * ``make dist`` builds a wheel holding every subpackage (``labkit.kernels`` from ``kernels/``),
   which pip accepts in the install cell's form (``labkit[lab,serve] @ file://...``);
 * the notebooks' install cell installs from ``$LABKIT_SOURCE`` (a wheel path, a wheel URL, a
-  Git URL) or the course default, only where labkit is missing.
+  Git URL) or the course default, only where labkit is missing, then, on a machine without an
+  NVIDIA GPU, compiles the C++ CPU kernels (``python -m labkit kernels``) so that no later cell
+  waits on a compiler.
 """
 
 from __future__ import annotations
@@ -216,9 +218,22 @@ def test_make_dist_builds_a_wheel_with_every_subpackage(tmp_path):
 
 
 # ---- the install cell -----------------------------------------------------------------------
+#: The device files of NVIDIA GPUs, which the install cell looks for (it must not import torch).
+NVIDIA_DEVICES = "/dev/nvidia[0-9]*"
+
+
+def _fake_gpus(monkeypatch, devices: list[str]) -> None:
+    """The install cell's GPU probe finds ``devices``, whatever this machine has."""
+    import glob
+    real = glob.glob
+    monkeypatch.setattr(glob, "glob", lambda pattern, *a, **k: list(devices) if pattern == NVIDIA_DEVICES
+                        else real(pattern, *a, **k))
+
+
 @pytest.fixture
 def shell(monkeypatch):
-    """IPython running the install cell on "Colab" without labkit: %pip is recorded, not run."""
+    """IPython running the install cell on "Colab" without labkit and without a GPU (unless a test
+    says otherwise with ``_fake_gpus``): %pip and ``!`` commands are recorded, not run."""
     interactiveshell = pytest.importorskip("IPython.core.interactiveshell")
     pio = pytest.importorskip("plotly.io")
     monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)       # restored after
@@ -229,10 +244,13 @@ def shell(monkeypatch):
     ip = interactiveshell.InteractiveShell.instance()
     calls: list[str] = []
     ip.register_magic_function(lambda line: calls.append(line), "line", "pip")
+    # `!cmd` is ip.system(cmd): recorded with its {variables} expanded in the cell's namespace, as IPython does
+    monkeypatch.setattr(ip, "system", lambda cmd: calls.append("! " + ip.var_expand(cmd, depth=1)))
+    _fake_gpus(monkeypatch, [])
     # the cell first checks that its source answers (and fails at once if not): recorded, not sent
     import urllib.request
-    monkeypatch.setattr(urllib.request, "urlopen",
-                        lambda url, timeout=None: calls.append(f"probe {url}") or types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None:
+                        calls.append(f"probe {url}") or types.SimpleNamespace(close=lambda: None))
     yield ip, calls
     ip.register_magic_function(lambda line: None, "line", "pip")
 
@@ -258,14 +276,49 @@ def test_install_cell_installs_from_labkit_source(shell, monkeypatch, tmp_path, 
         monkeypatch.setenv("LABKIT_SOURCE", source)
     result = ip.run_cell(install_cell())
     assert result.success, result.error_in_exec or result.error_before_exec
-    assert len(calls) == 2 and calls[0].startswith("probe "), calls
+    assert len(calls) == 3 and calls[0].startswith("probe "), calls
     req = _requirement(calls[1])
     assert req.name == "labkit" and req.extras == {"lab", "serve"}
     if expected == "LOCAL":
         expected = (tmp_path / source).resolve().as_uri()
     assert req.url == expected
+    assert calls[2] == f'! "{sys.executable}" -m labkit kernels', calls     # no GPU here: see below
     import plotly.io as pio
     assert pio.renderers.default == "colab"
+
+
+@pytest.mark.parametrize("gpus", [[], ["/dev/nvidia0"]], ids=["cpu-runtime", "gpu-runtime"])
+def test_install_cell_compiles_the_cpu_kernels_after_pip_where_there_is_no_gpu(shell, monkeypatch, gpus):
+    """On a CPU runtime (Colab's default) the cell compiles the C++ CPU kernels right after pip,
+    with the interpreter pip installed into, so that no later cell (the first LLM()) waits on a
+    compiler; on a GPU runtime Triton's kernels run, and it compiles nothing. It finds a GPU
+    without importing torch (which must load after labkit)."""
+    ip, calls = shell
+    _fake_gpus(monkeypatch, gpus)
+    monkeypatch.setenv("LABKIT_SOURCE", "https://example.edu/labkit-0.1.0-py3-none-any.whl")
+    result = ip.run_cell(install_cell())
+    assert result.success, result.error_in_exec or result.error_before_exec
+    kinds = [c.split()[0] for c in calls]                       # probe, install (pip), ! (a command)
+    assert kinds == (["probe", "install"] if gpus else ["probe", "install", "!"]), calls
+    if not gpus:
+        assert calls[2] == f'! "{sys.executable}" -m labkit kernels', calls
+    assert not re.search(r"^\s*(?:import|from)\s+torch\b", install_cell(), re.MULTILINE)
+
+
+def test_the_kernels_command_the_install_cell_runs_says_what_it_built(monkeypatch, capsys):
+    """``python -m labkit kernels`` (the install cell's step) prints one line saying what the CPU
+    backend runs, and exits 0 even where nothing can be built (it then runs its Numba kernel).
+    Mocked: the compile itself is ``tests/test_cpu_extension.py``'s to test."""
+    from labkit import __main__ as cli
+    from labkit.kernels import cpu_extension
+    for ok, sentence in ((True, "C++ kernels compiled for this CPU (avx2 build)"),
+                         (False, "C++ kernels unavailable: no C++ compiler")):
+        monkeypatch.setattr(cpu_extension, "status", lambda isa=None: (ok, sentence))
+        monkeypatch.setattr(cpu_extension, "build_directory", lambda name=None: Path("/cache/labkit_cpu_avx2"))
+        assert cli.main(["kernels"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"labkit: {sentence}") and out.count("\n") == 1, out
+        assert ("/cache/labkit_cpu_avx2" in out) == ok and ("Numba" in out) == (not ok), out
 
 
 def test_install_cell_does_nothing_where_labkit_is_installed(monkeypatch):
@@ -273,10 +326,11 @@ def test_install_cell_does_nothing_where_labkit_is_installed(monkeypatch):
     ip = interactiveshell.InteractiveShell.instance()
     calls: list[str] = []
     ip.register_magic_function(lambda line: calls.append(line), "line", "pip")
+    monkeypatch.setattr(ip, "system", lambda cmd: calls.append("! " + cmd))
     try:
         monkeypatch.setenv("LABKIT_SOURCE", "https://example.edu/x.whl")
         result = ip.run_cell(install_cell())
-        assert result.success and calls == []
+        assert result.success and calls == []                  # neither pip nor the kernels' compile
     finally:
         ip.register_magic_function(lambda line: None, "line", "pip")
 

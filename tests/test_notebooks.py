@@ -6,7 +6,8 @@
   after it, labkit is imported before torch, check cells call graders; the install cell fails
   at once, saying what to set, where its source cannot be reached;
 * the text matches the lab: chapter 0's map lists every chapter, no chapter says a feature
-  labkit has is missing, chapter 9's reading of its swap figures holds;
+  labkit has is missing (nor that the compiled kernels need a newer GPU than they do, or that
+  the T4 falls back), chapter 9's reading of its swap figures holds;
 * every solution notebook passes with each check cell and the cell before it run twice (one
   run per notebook, doubling every such pair: a verdict does not depend on how many times a
   cell ran), and passes the grading command (``pytest --nbval-lax``, on chapter 1);
@@ -208,6 +209,50 @@ def missing_features(text: str) -> list[str]:
 def test_no_chapter_says_a_feature_labkit_has_is_missing(path):
     wrong = missing_features(_markdown(read(path)))
     assert not wrong, f"{path.name} says these are missing, but labkit has them:\n" + "\n".join(wrong)
+
+
+#: A GPU the compiled kernels are said to need: "compute capability 8.0+", "8.0 or newer"...
+NEEDS_CAPABILITY = re.compile(r"\b(\d+)\.(\d)(?:\+|\s+or\s+(?:newer|later|above|higher))")
+#: ... or said not to run them: "the T4 falls back", "cannot run on a T4".
+T4_REFUSED = re.compile(r"\bT4\b.*\b(?:falls?\s+back|cannot\s+run|can't\s+run|not\s+supported|refuse)"
+                        r"|\b(?:falls?\s+back|cannot\s+run|can't\s+run)\b.*\bT4\b", re.IGNORECASE)
+BF16 = re.compile(r"\bbf16\b|bfloat16", re.IGNORECASE)
+
+
+def stale_gpu_claims(text: str) -> list[str]:
+    """Sentences of ``text`` that say the compiled Triton kernels need a GPU newer than they do
+    (labkit.kernels.MIN_COMPUTE_CAPABILITY, 7.5: the T4), or that a T4 falls back. bf16's own
+    floor (8.0) may be named: a sentence about bf16 is not counted."""
+    from labkit.kernels import MIN_COMPUTE_CAPABILITY
+    found = []
+    for sentence in re.split(r"(?<=[.!?])\s+", text.replace("\n", " ")):
+        if BF16.search(sentence):
+            continue
+        above = [m.group(0) for m in NEEDS_CAPABILITY.finditer(sentence)
+                 if (int(m.group(1)), int(m.group(2))) > tuple(MIN_COMPUTE_CAPABILITY)]
+        if above or T4_REFUSED.search(sentence):
+            found.append(sentence.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=_ids(SOLUTIONS))
+def test_no_chapter_says_the_kernels_need_a_newer_gpu_than_they_do(path):
+    nb = read(path)
+    wrong = stale_gpu_claims("\n".join(c.source for c in nb.cells if c.cell_type in ("markdown", "code")))
+    assert not wrong, (f"{path.name} says the compiled kernels need compute capability above 7.5, or that "
+                       "a T4 falls back (they run there, in fp16 or fp32):\n" + "\n".join(wrong))
+
+
+def test_the_gpu_claim_scan_finds_what_the_chapters_used_to_say():
+    """Sentences chapters 0 and 5 once had, and what they say now."""
+    assert stale_gpu_claims("Triton compiles only for NVIDIA GPUs of compute capability 8.0 or newer "
+                            "(A100, L4, H100...).")
+    assert stale_gpu_claims("Colab's free T4 is 7.5, so there the engine falls back and says so.")
+    assert stale_gpu_claims('print("No CUDA GPU of compute capability 8.0+ here: the compiled kernels are not run")')
+    assert not stale_gpu_claims("Compiled, on an NVIDIA GPU of compute capability 7.5+: Colab's free T4 in fp16.")
+    assert not stale_gpu_claims("A T4 has no bf16: bf16 needs compute capability 8.0+, and the engine falls back "
+                                "to the torch reference for it.")
+    assert not stale_gpu_claims('print(f"{name:>16}: {t * 1e6:8.0f} µs per call")')
 
 
 def test_the_missing_feature_scan_finds_what_the_chapters_used_to_say():

@@ -3,9 +3,10 @@
 On one CUDA GPU of compute capability 7.5+ (a T4 included), within a time budget
 (``--budget``, 600 s), each step in its own process:
 
-0. ``compile``: ``python -m labkit.bench gpu-compile``, every Triton kernel built for sm_75,
-   sm_80, sm_89 and sm_90 and checked against each GPU's limits (it needs no GPU itself: on a
-   machine without one, run it alone).
+0. ``compile``: ``python -m labkit.bench gpu-compile --quick``, every Triton kernel built for
+   sm_75, sm_80, sm_89 and sm_90 on the CI test's three shapes and checked against each GPU's
+   limits (it needs no GPU itself: the full matrix, about 33 min of CPU, would not fit the
+   step's cap on a T4 runtime's 2 cores; run it alone, anywhere).
 1. ``tests``: the ``gpu``-marked tests (the Triton kernels compiled, against their torch
    references, split decode included).
 2. ``kernels``: the kernel benchmark (``python -m labkit.bench kernels``): achieved bandwidth
@@ -151,10 +152,12 @@ def describe_kernels(f: dict) -> str:
 
 
 def compile_step(timeout: float) -> StepResult:
-    """``python -m labkit.bench gpu-compile`` (the full matrix, every core), summarised."""
+    """``python -m labkit.bench gpu-compile --quick`` (the CI subset, 165 builds, every core), summarised:
+    the full matrix needs no GPU, and ~33 min of CPU would not fit STEP_CAPS["compile"] on 2 cores."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "compile.json")
-        proc, took = run_step("compile", [sys.executable, "-m", "labkit.bench", "gpu-compile", "--out", out], timeout)
+        command = [sys.executable, "-m", "labkit.bench", "gpu-compile", "--quick", "--out", out]
+        proc, took = run_step("compile", command, timeout)
         if isinstance(proc, StepResult):
             return proc
         if not os.path.exists(out):

@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", help="comma-separated, from fp16,bf16,fp32 (default: each target's)")
     p.add_argument("--head-dims", help="grid head dims (default 64,96,128)")
     p.add_argument("--groups", help="grid GQA groups, query heads per KV head (default 1..8)")
-    p.add_argument("--block-sizes", help="block sizes (default 8,16,32)")
+    p.add_argument("--block-sizes", help="block sizes (default 8,16,32,64)")
     p.add_argument("--model", action="append",
                    help="a model whose shape to add: the default model (when cached) or a checkpoint directory; "
                         "repeatable (default: the default model)")

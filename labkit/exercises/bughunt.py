@@ -398,7 +398,8 @@ def _judge(flaw: str, concept: str):
         if not isinstance(ran, dict):
             fail(f"{flaw}: nothing was handed in for the test.")
         if "not a test" in ran:
-            fail(f"{flaw}: pass your test function itself (e.g. check_...(test_name)), not {str(ran['not a test'])[:60]}.")
+            fail(f"{flaw}: pass your test function itself (e.g. check_...(test_name)), "
+                 f"not {str(ran['not a test'])[:60]}.")
         outcomes = ran.get("outcomes")
         order = plan["order"]
         if not isinstance(outcomes, list) or len(outcomes) != len(order) or not all(

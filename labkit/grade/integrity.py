@@ -153,7 +153,8 @@ class _Reader(ast.NodeVisitor):
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
             self._module(alias.name)
-            self.aliases[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+            top = alias.name.split(".")[0]
+            self.aliases[alias.asname or top] = alias.name if alias.asname else top
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         module = node.module or ""

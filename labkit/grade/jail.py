@@ -8,8 +8,9 @@ runs it builds what the kernel will see, the way bubblewrap does:
 
 1. a new root on a small tmpfs, holding read-only binds of the host paths the spec names
    (the system, Python, labkit, the model cache), empty tmpfs over the paths it masks, a
-   private ``/proc`` (its ``meminfo`` showing the sandbox's memory limit), a minimal ``/dev``, size-capped tmpfs for ``/tmp`` and the home folder,
-   and the one read-write bind of the kernel's connection folder;
+   private ``/proc`` (its ``meminfo`` showing the sandbox's memory limit), a minimal ``/dev``,
+   size-capped tmpfs for ``/tmp`` and the home folder, and the one read-write bind of the
+   kernel's connection folder;
 2. ``pivot_root`` into it, the host's tree detached;
 3. loopback up (the lab's own servers listen there), no other interface;
 4. every capability dropped for good (empty bounding set, no ambient or inheritable

@@ -84,7 +84,8 @@ def judge(check: Check, handed: list[str], plan: dict) -> Verdict:
         return Verdict(FAIL, "no answer reached the grader: the check cell did not run as distributed",
                        ["handed in no answer"])
     if len(handed) > 1:
-        return Verdict(FAIL, f"{len(handed)} answers were handed in for one check", [f"handed in {len(handed)} answers"])
+        return Verdict(FAIL, f"{len(handed)} answers were handed in for one check",
+                       [f"handed in {len(handed)} answers"])
     text = handed[0]
     if not isinstance(text, str) or len(text) > MAX_BYTES:
         return Verdict(FAIL, "the answer handed in is not readable data", ["handed in unreadable data"])

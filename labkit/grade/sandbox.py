@@ -220,8 +220,9 @@ class Sandbox:
         return f"{EXTENSION_INSIDE}/{os.path.basename(self.plan.extension)}"
 
     def _bwrap(self, argv: list[str], conn: str, env: dict[str, str]) -> list[str]:
-        cmd = [_tool("bwrap"), "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns",
-               "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID), "--hostname", "sandbox", "--clearenv"]
+        cmd = [_tool("bwrap"), "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+               "--disable-userns", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_UID),
+               "--hostname", "sandbox", "--clearenv"]
         for key, value in env.items():
             cmd += ["--setenv", key, value]
         for path in self.plan.readonly:

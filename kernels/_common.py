@@ -325,7 +325,8 @@ def check_triton_launch(kernel, *tensors: torch.Tensor) -> None:
                            "attention backend") from TRITON_IMPORT_ERROR
     device = tensors[0].device
     if any(t.device != device for t in tensors):
-        raise ValueError("all tensors must be on one device, got " + ", ".join(sorted({str(t.device) for t in tensors})))
+        devices = ", ".join(sorted({str(t.device) for t in tensors}))
+        raise ValueError("all tensors must be on one device, got " + devices)
     dtype = tensors[0].dtype
     if dtype not in SUPPORTED_KERNEL_DTYPES:
         raise ValueError(f"the Triton kernels take fp16, bf16 or fp32, got {dtype}")

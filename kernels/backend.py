@@ -16,8 +16,9 @@ attention, prefill attention):
   ``cpu_extension.py``) or, where none can be built, a Numba-compiled loop
   (``paged_decode_attention_cpu.py``; fp32 and bf16 caches); prefill chunks of short
   contexts go through the same C++ loop, one query row at a time, longer ones through one
-  causal SDPA call each (``paged_prefill_attention_cpu``); the rest is the references; the model runner also packs its weights for oneDNN
-  (``labkit.model.llama.Linear.pack``). Chapters 5 and 6 teach from the references.
+  causal SDPA call each (``paged_prefill_attention_cpu``); the rest is the references; the model
+  runner also packs its weights for oneDNN (``labkit.model.llama.Linear.pack``). Chapters 5 and
+  6 teach from the references.
 
 ``"auto"`` picks compiled Triton where it can run, the CPU kernels on a CPU (when Numba
 is installed) and the torch reference elsewhere, and says why, so the engine can print

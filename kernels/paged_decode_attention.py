@@ -344,7 +344,7 @@ def plan_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cac
                        {**shapes, **tiles}, num_warps=warps)]
     num_partitions = cdiv(max_context_len, partition_size)
     m = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
+    l = torch.empty_like(m)  # noqa: E741 (FlashAttention's m and l: running max and denominator)
     acc = torch.empty(num_seqs, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
     split = Launch(_paged_decode_split_kernel, (num_seqs, num_kv_heads, num_partitions),
                    (m, l, acc, q, k_cache, v_cache, block_tables, context_lens, scale * LOG2E,

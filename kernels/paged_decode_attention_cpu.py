@@ -232,7 +232,8 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             cpu_extension.status()[1] if usable else "it needs contiguous fp32/bf16 CPU caches")
             + " (or these shapes have no kernel)")
     if impl == "numba" and not (usable and HAS_NUMBA):
-        raise RuntimeError(f"the Numba decode kernel cannot run here ({NUMBA_IMPORT_ERROR or 'not CPU fp32/bf16 caches'})")
+        why = NUMBA_IMPORT_ERROR or "not CPU fp32/bf16 caches"
+        raise RuntimeError(f"the Numba decode kernel cannot run here ({why})")
     if q.shape[0] == 0:
         return torch.empty_like(q)
     tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()

@@ -5,6 +5,7 @@ bool supports(int64_t head_dim, int64_t group, int64_t block_size);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 bool vectorized(int64_t head_dim, int64_t group);
+std::string isa();
 at::Tensor paged_prefill_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& block_tables, const at::Tensor& row_lens,
                                         const at::Tensor& row_seq, double scale);
@@ -14,17 +15,21 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
                           int64_t num_heads);
 at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor vec_exp(const at::Tensor& x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "labkit's C++ CPU kernels";
   m.def("supports", &supports, "whether paged_decode_attention has a kernel for (head_dim, group, block_size)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV cache, read in place (fp32 or bf16 cache, fp32 q and out)");
-  m.def("vectorized", &vectorized, "whether (head_dim, group) runs the AVX-512 block update on this build");
+  m.def("vectorized", &vectorized,
+        "whether (head_dim, group) runs vectorized on this build: SIMD registers and a compiled group");
+  m.def("isa", &isa, "the instruction set this build's vectors use: avx512, avx2 or portable (vec.h)");
   m.def("paged_prefill_attention_rows", &paged_prefill_attention_rows,
         "prefill as query rows: row r attends to the first row_lens[r] tokens of sequence row_seq[r]");
   m.def("rope_and_cache", &rope_and_cache,
         "rotary embedding of q and k, and k, v written into the cache at their slots; returns q");
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place, if given), then rms_norm(x) * weight");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]");
+  m.def("vec_exp", &vec_exp, "exp of an fp32 tensor by the kernels' vector exp (for testing its accuracy)");
 }

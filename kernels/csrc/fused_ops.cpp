@@ -11,38 +11,41 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "vec.h"
+
+// Every loop below walks a row 16 elements at a time over vec::Vec16 (vec.h: AVX-512, AVX2 or
+// portable, chosen at build time), in fp32 whatever the storage type T (float, or uint16_t
+// holding bf16 bits: widened on load, rounded to nearest even on store). A row whose length
+// is not a multiple of 16 ends with one partial step (vec::load / vec::store of n < 16
+// elements): no scalar copy of the loop body.
+
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) {
-  const uint32_t u = uint32_t(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void store(float* p, int64_t i, float x) { p[i] = x; }
-inline void store(uint16_t* p, int64_t i, float x) {  // fp32 -> bf16, round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  u += 0x7fff + ((u >> 16) & 1);
-  p[i] = uint16_t(u >> 16);
-}
+using vec::Vec16;
 
 template <typename T>
 T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
+// Call body(i, n) for i = 0, 16, 32, ... < len, with n = min(16, len - i) elements at i.
+template <typename F>
+inline void for_each_vector(int64_t len, F body) {
+  for (int64_t i = 0; i < len; i += Vec16::size) body(i, int(std::min<int64_t>(Vec16::size, len - i)));
+}
+
 // Rotate one head's pairs (x[i], x[i + d/2]) by the token's angles ("rotate half").
 template <typename T>
 inline void rotate(const T* x, T* out, const float* cos, const float* sin, int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = load(x, i), x2 = load(x, i + half);
-    store(out, i, x1 * cos[i] - x2 * sin[i]);
-    store(out, i + half, x2 * cos[i] + x1 * sin[i]);
-  }
+  for_each_vector(half, [&](int64_t i, int n) {
+    const Vec16 x1 = vec::load(x + i, n), x2 = vec::load(x + half + i, n);
+    const Vec16 c = vec::load(cos + i, n), s = vec::load(sin + i, n);
+    vec::store(x1 * c - x2 * s, out + i, n);
+    vec::store(x2 * c + x1 * s, out + half + i, n);
+  });
 }
 
 template <typename T>
@@ -86,30 +89,26 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor* delta, const at::T
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* xt = xp + t * h;
-      float sum = 0.f;
-      if (rp) {  // the residual stream x absorbs the sub-layer's output first (in place)
-        const T* rt = rp + t * h;
-        for (int64_t i = 0; i < h; ++i) {
-          const float v = load(xt, i) + load(rt, i);
-          store(xt, i, v);
+      const T* rt = rp ? rp + t * h : nullptr;
+      // the residual stream x absorbs the sub-layer's output first (in place, rounded to its
+      // dtype as torch's x + delta is), and the sum of squares is of what was stored
+      Vec16 squares = Vec16::zero();  // 16 partial sums (the zero lanes of a partial step add nothing)
+      for_each_vector(h, [&](int64_t i, int n) {
+        Vec16 v = vec::load(xt + i, n);
+        if (rt) {
+          v = vec::round_to<T>(v + vec::load(rt + i, n));  // exact in T: the store below rounds no further
+          vec::store(v, xt + i, n);
         }
-      }
-      for (int64_t i = 0; i < h; ++i) {
-        const float v = load(xt, i);
-        sum += v * v;
-      }
-      const float inv = 1.f / std::sqrt(sum / float(h) + e);
+        squares = vec::fma(v, v, squares);
+      });
+      const Vec16 inv = Vec16::all(1.f / std::sqrt(squares.reduce_sum() / float(h) + e));
       T* ot = op + t * h;
-      // as the reference: normalise in fp32, round to the storage dtype, then scale by the weight
-      for (int64_t i = 0; i < h; ++i) {
-        float y = load(xt, i) * inv;
-        if (sizeof(T) == 2) {  // round to bf16 before the weight, as .to(x.dtype) does
-          T tmp;
-          store(&tmp, 0, y);
-          y = load(&tmp, 0);
-        }
-        store(ot, i, load(w, i) * y);
-      }
+      // as the reference: normalise in fp32, round to the storage dtype (.to(x.dtype)), then
+      // scale by the weight, rounded once more on the store
+      for_each_vector(h, [&](int64_t i, int n) {
+        const Vec16 y = vec::round_to<T>(vec::load(xt + i, n) * inv);
+        vec::store(vec::load(w + i, n) * y, ot + i, n);
+      });
     }
   });
 }
@@ -119,15 +118,17 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t n = x.size(0), inter = out.size(1);
   const T* xp = ptr<T>(x);
   T* op = ptr<T>(out);
+  const Vec16 one = Vec16::all(1.f);
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = xp + t * 2 * inter;
       const T* up = gate + inter;
       T* ot = op + t * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float g = load(gate, i);
-        store(ot, i, g / (1.f + std::exp(-g)) * load(up, i));
-      }
+      // silu(g) = g / (1 + exp(-g)): for g << 0 exp(-g) is huge (or infinite), and the quotient 0
+      for_each_vector(inter, [&](int64_t i, int n) {
+        const Vec16 g = vec::load(gate + i, n);
+        vec::store(g / (one + vec::exp(Vec16::zero() - g)) * vec::load(up + i, n), ot + i, n);
+      });
     }
   });
 }
@@ -192,5 +193,17 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(x, out);
   else silu_and_mul_impl<uint16_t>(x, out);
+  return out;
+}
+
+// exp of every element of an fp32 tensor, by vec.h's vector exp: what softmax and SiLU use,
+// exposed so that its accuracy is tested (tests/test_cpu_vec.py) on every build.
+at::Tensor vec_exp(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be an fp32 CPU tensor");
+  const at::Tensor in = x.contiguous();
+  at::Tensor out = at::empty_like(in);
+  const float* xp = in.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for_each_vector(in.numel(), [&](int64_t i, int n) { vec::store(vec::exp(vec::load(xp + i, n)), op + i, n); });
   return out;
 }

@@ -6,9 +6,11 @@
 //
 // * head_dim and the GQA group are compile-time constants (one instantiation per common
 //   size), so every inner loop has a fixed trip count the compiler unrolls;
-// * on AVX-512 CPUs the query group and its running output stay in vector registers for a
-//   whole block, a token's scores are summed across lanes 16 tokens at a time, and exp is a
-//   vector polynomial (attend_block_avx512); elsewhere a portable loop (attend_block);
+// * the block update (attend_block) is written once, over vec::Vec16 (vec.h: one AVX-512
+//   register, two AVX2 registers, or 16 plain floats, chosen when the extension is built for
+//   this CPU): the query group and its running output stay in vector registers for a whole
+//   block, a token's scores are summed across lanes 16 tokens at a time, and exp is a vector
+//   polynomial;
 // * decode attention reads every cached K and V of the batch once and does little
 //   arithmetic on each: it is bound by memory, and a block table scatters a sequence's
 //   blocks, so the hardware prefetcher, which follows one contiguous stream, stalls at each
@@ -19,7 +21,7 @@
 //   beside it.
 //
 // Measured on the 2-core Zen 4 (64 sequences of 200-600 tokens, SmolLM2's 9 query and
-// 3 KV heads of 64, fp32): the portable loop without prefetching 2.5-2.9 ms per layer
+// 3 KV heads of 64, fp32): a scalar loop without prefetching 2.5-2.9 ms per layer
 // (14-16 GB/s of K and V); with the next block prefetched into L1 (prefetcht0) 1.9 ms; with
 // registers and lane sums as well 1.7-1.8 ms; prefetched into L2 (prefetcht1) 0.95 ms,
 // 42 GB/s: the rate of a loop that only sums the same blocks, i.e. memory's.
@@ -39,23 +41,31 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
+using vec::Vec16;
+
 constexpr int kMaxGroup = 8;       // query heads per KV head (GQA group), at most
 constexpr int kMaxBlockSize = 64;  // tokens per block, at most
-constexpr int kMaxKvHeads = 16;    // KV heads per pass over a block (more: several passes)
+constexpr int kChunks = kMaxBlockSize / Vec16::size;  // 16-token vectors of scores per block, at most
 constexpr bool kPrefetchNextBlock = true;
+constexpr float kMinusInfinity = -1e30f;  // finite: exp(-1e30 - m) is 0 all the same, and -ffast-math
+                                          // may assume there are no infinities
 
 // Ask for one cache line to be brought into L2 (locality 2: prefetcht1 on x86), not L1:
 // see the measurements at the top.
 inline void prefetch_line(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+template <typename T, int D>
+inline void prefetch_head_row(const T* row) {
+  constexpr int kBytes = D * int(sizeof(T));
+  for (int x = 0; x < kBytes; x += 64) prefetch_line(reinterpret_cast<const char*>(row) + x);
+}
 
 // Where the next block of the sequence lies, so that its rows can be prefetched while the
 // current block is computed; rows == 0 on the last block.
@@ -66,16 +76,9 @@ struct NextBlock {
   int rows;
 };
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t bits) {  // bf16 -> fp32: the 16 bits become the high half
-  const uint32_t u = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // One KV head's query group and its running softmax state: the maximum score m, the
-// denominator total and the unnormalised output acc, per query head.
+// denominator total and the unnormalised output acc, per query head. In memory between
+// blocks; in registers within one (attend_block).
 template <int D>
 struct GroupState {
   float q[kMaxGroup][D];
@@ -85,198 +88,97 @@ struct GroupState {
 };
 
 // Fold the first `used` tokens of one block into the running state of every query group
-// (the FlashAttention update), portably. kb / vb point at the first token's row for KV head
-// 0 of this range of KV heads; consecutive tokens are row_stride elements apart. The block
-// is read token by token, each token's row (all its KV heads, contiguous) once, front to
-// back, and the same rows of the next block are prefetched as it goes.
+// (the FlashAttention update). kb / vb point at the block's first token row (KV head 0);
+// consecutive tokens are row_stride elements apart. The block is read one KV head at a time
+// (that head's part of each token row, 64-256 bytes); the next block's rows of that head are
+// prefetched as they are read.
 //
-// G > 0 fixes the group size at compile time (the common ones), G == 0 takes it at run
-// time: with G and D fixed, every inner loop has a constant trip count that the compiler
-// unrolls and vectorizes.
+// G > 0 fixes the group size at compile time (the common ones): the G x D query and the G x D
+// running output then fit in vector registers (AVX-512: 3 x 4 + 3 x 4 zmm for SmolLM2) and
+// every loop over g and c unrolls. G == 0 takes the group at run time (up to kMaxGroup), the
+// same code with a loop bound the compiler cannot unroll: correct for any group, not tuned.
 template <typename T, int D, int G>
 inline void attend_block(GroupState<D>* st, int64_t num_kv_heads, int group_at_run_time, const T* kb,
                          const T* vb, int used, int64_t row_stride, NextBlock<T> next) {
+  static_assert(D % Vec16::size == 0, "head_dim must be a multiple of 16");
+  constexpr int C = D / Vec16::size;  // vectors per head row
+  constexpr int kG = G > 0 ? G : kMaxGroup;  // room for the group
   const int group = G > 0 ? G : group_at_run_time;
-  constexpr int kRows = G > 0 ? G : kMaxGroup;
-  const int64_t row_bytes = num_kv_heads * D * sizeof(T);
-  float p[kMaxKvHeads][kRows][kMaxBlockSize];  // scores, then probabilities; never leave L1
-  // 1. scores: each key row against every query head of its group
-  for (int o = 0; o < used; ++o) {
-    if (kPrefetchNextBlock && o < next.rows)
-      for (int64_t x = 0; x < row_bytes; x += 64) {
-        prefetch_line(reinterpret_cast<const char*>(next.k + o * row_stride) + x);
-        prefetch_line(reinterpret_cast<const char*>(next.v + o * row_stride) + x);
-      }
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      float k[D];
-      for (int d = 0; d < D; ++d) k[d] = widen(kb[o * row_stride + h * D + d]);
-      for (int g = 0; g < group; ++g) {
-        float s = 0.f;
-        for (int d = 0; d < D; ++d) s += st[h].q[g][d] * k[d];
-        p[h][g][o] = s;
-      }
-    }
-  }
-  // 2. online softmax: a new maximum rescales what was accumulated so far
-  for (int64_t h = 0; h < num_kv_heads; ++h)
-    for (int g = 0; g < group; ++g) {
-      float m_new = st[h].m[g];
-      for (int o = 0; o < used; ++o) m_new = std::max(m_new, p[h][g][o]);
-      const float alpha = std::exp(st[h].m[g] - m_new);
-      st[h].total[g] *= alpha;
-      for (int d = 0; d < D; ++d) st[h].acc[g][d] *= alpha;
-      float sum = 0.f;
-      for (int o = 0; o < used; ++o) {
-        p[h][g][o] = std::exp(p[h][g][o] - m_new);
-        sum += p[h][g][o];
-      }
-      st[h].total[g] += sum;
-      st[h].m[g] = m_new;
-    }
-  // 3. values, weighted by the unnormalised probabilities
-  for (int o = 0; o < used; ++o)
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      float v[D];
-      for (int d = 0; d < D; ++d) v[d] = widen(vb[o * row_stride + h * D + d]);
-      for (int g = 0; g < group; ++g) {
-        const float w = p[h][g][o];
-        for (int d = 0; d < D; ++d) st[h].acc[g][d] += w * v[d];
-      }
-    }
-}
-
-#if defined(__AVX512F__)
-// ---- AVX-512: the same block update, with the query group in registers -------------------
-// Against attend_block: the G x D query and the G x D running output of one KV head stay in
-// vector registers for the whole block instead of being re-read from memory per token; a
-// token's G dot products are left as 16-lane partial sums and summed across lanes 16 tokens
-// at a time (one transpose-and-add instead of 16 horizontal sums); exp is a vector
-// polynomial. The block is read one KV head at a time (its rows are 64-256 bytes of each
-// token's row); the next block's rows of that head are prefetched as they are read.
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // 16 bf16 -> 16 fp32: the bits become the high half
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln(2)/2: Cephes' degree-6 polynomial
-// for exp(r) (about 1 ulp), 2^n applied by scalef, which underflows to 0 cleanly.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln 2, ln 2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Lane i of the result is the sum of the 16 lanes of r[i]: sixteen horizontal sums done as
-// one transpose-and-add, four rounds of pairwise shuffles (45 instructions, not ~130).
-inline __m512 sum_lanes16(const __m512* r) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] for a = r[2i], b = r[2i+1]
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of r[4i .. 4i+3]
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-template <typename T, int D>
-inline void prefetch_head_row(const T* row) {
-  constexpr int kBytes = D * int(sizeof(T));
-  for (int x = 0; x < kBytes; x += 64) prefetch_line(reinterpret_cast<const char*>(row) + x);
-}
-
-template <typename T, int D, int G>
-inline void attend_block_avx512(GroupState<D>* st, int64_t num_kv_heads, const T* kb, const T* vb, int used,
-                                int64_t row_stride, NextBlock<T> next) {
-  constexpr int C = D / 16;  // 16-float vectors per head row
-  const int chunks = (used + 15) / 16;
+  const int chunks = (used + Vec16::size - 1) / Vec16::size;
+  const auto tokens_in = [used](int ch) { return std::min(Vec16::size, used - ch * Vec16::size); };  // 1..16
   for (int64_t h = 0; h < num_kv_heads; ++h) {
     GroupState<D>& s = st[h];
-    __m512 p[G][kMaxBlockSize / 16];  // scores, then probabilities, 16 tokens per vector
-    // 1. scores, 16 tokens at a time
+    Vec16 p[kG][kChunks];  // scores, then probabilities: lane i of p[g][ch] is token 16 ch + i
+    // 1. scores, 16 tokens at a time. A token's dot product with query head g is left as 16
+    //    lane-wise partial sums (part[g][i]); once 16 tokens are in, one transpose-and-add
+    //    (vec::sum_lanes) turns them into one vector of 16 scores, instead of 16 horizontal sums.
     {
-      __m512 q[G][C];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(s.q[g] + c * 16);
+      Vec16 q[kG][C];
+      for (int g = 0; g < group; ++g)
+        for (int c = 0; c < C; ++c) q[g][c] = Vec16::load(s.q[g] + c * Vec16::size);
       for (int ch = 0; ch < chunks; ++ch) {
-        __m512 part[G][16];  // part[g][i]: the 16 lane products of token i, summed lane-wise
-        const int n = std::min(16, used - ch * 16);
+        Vec16 part[kG][Vec16::size];
+        const int n = tokens_in(ch);
         for (int i = 0; i < n; ++i) {
-          const int o = ch * 16 + i;
+          const int o = ch * Vec16::size + i;
           if (kPrefetchNextBlock && o < next.rows) prefetch_head_row<T, D>(next.k + o * row_stride + h * D);
           const T* k = kb + o * row_stride + h * D;
-          __m512 kv[C];
-          for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
-          for (int g = 0; g < G; ++g) {
-            __m512 acc = _mm512_mul_ps(q[g][0], kv[0]);
-            for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(q[g][c], kv[c], acc);
+          Vec16 kv[C];
+          for (int c = 0; c < C; ++c) kv[c] = Vec16::load(k + c * Vec16::size);  // bf16: widened here
+          for (int g = 0; g < group; ++g) {
+            Vec16 acc = q[g][0] * kv[0];
+            for (int c = 1; c < C; ++c) acc = vec::fma(q[g][c], kv[c], acc);
             part[g][i] = acc;
           }
         }
-        for (int i = n; i < 16; ++i)
-          for (int g = 0; g < G; ++g) part[g][i] = _mm512_setzero_ps();
-        for (int g = 0; g < G; ++g) p[g][ch] = sum_lanes16(part[g]);
+        for (int i = n; i < Vec16::size; ++i)  // past the block's last token: scores of 0, masked below
+          for (int g = 0; g < group; ++g) part[g][i] = Vec16::zero();
+        for (int g = 0; g < group; ++g) p[g][ch] = vec::sum_lanes(part[g]);
       }
     }
-    // 2. online softmax; lanes past `used` are masked out
-    float alpha[G];  // how much the new maximum shrinks what was accumulated so far
-    for (int g = 0; g < G; ++g) {
-      float m_new = s.m[g];
+    // 2. online softmax: a new maximum rescales what was accumulated so far. Lanes past
+    //    `used` (in the last chunk) take no part: -infinity for the maximum, 0 after exp.
+    float alpha[kG];  // how much the new maximum shrinks what was accumulated so far
+    for (int g = 0; g < group; ++g) {
+      Vec16 mx = Vec16::all(s.m[g]);
+      for (int ch = 0; ch < chunks; ++ch)
+        mx = vec::max(mx, p[g][ch].first(tokens_in(ch), kMinusInfinity));
+      const float m_new = mx.reduce_max();
+      const Vec16 m = Vec16::all(m_new);
+      Vec16 sum = Vec16::zero();
       for (int ch = 0; ch < chunks; ++ch) {
-        const __mmask16 valid = __mmask16((1u << std::min(16, used - ch * 16)) - 1u);
-        m_new = std::max(m_new, _mm512_mask_reduce_max_ps(valid, p[g][ch]));
-      }
-      __m512 sum = _mm512_setzero_ps();
-      for (int ch = 0; ch < chunks; ++ch) {
-        const __mmask16 valid = __mmask16((1u << std::min(16, used - ch * 16)) - 1u);
-        p[g][ch] = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(p[g][ch], _mm512_set1_ps(m_new))));
-        sum = _mm512_add_ps(sum, p[g][ch]);
+        p[g][ch] = vec::exp(p[g][ch] - m).first(tokens_in(ch));
+        sum = sum + p[g][ch];
       }
       alpha[g] = std::exp(s.m[g] - m_new);
-      s.total[g] = s.total[g] * alpha[g] + _mm512_reduce_add_ps(sum);
+      s.total[g] = s.total[g] * alpha[g] + sum.reduce_sum();
       s.m[g] = m_new;
     }
-    // 3. values, weighted by the unnormalised probabilities, into the running output
-    alignas(64) float w[G][kMaxBlockSize];
-    for (int g = 0; g < G; ++g)
-      for (int ch = 0; ch < chunks; ++ch) _mm512_store_ps(w[g] + ch * 16, p[g][ch]);
-    __m512 acc[G][C];
-    for (int g = 0; g < G; ++g) {
-      const __m512 a = _mm512_set1_ps(alpha[g]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(s.acc[g] + c * 16), a);
+    // 3. values, weighted by the unnormalised probabilities, into the running output (in
+    //    registers for the block). Each token's weight is broadcast to a whole vector, so the
+    //    probabilities go through memory once, as plain floats.
+    alignas(64) float w[kG][kMaxBlockSize];
+    for (int g = 0; g < group; ++g)
+      for (int ch = 0; ch < chunks; ++ch) p[g][ch].store(w[g] + ch * Vec16::size);
+    Vec16 acc[kG][C];
+    for (int g = 0; g < group; ++g) {
+      const Vec16 a = Vec16::all(alpha[g]);
+      for (int c = 0; c < C; ++c) acc[g][c] = Vec16::load(s.acc[g] + c * Vec16::size) * a;
     }
     for (int o = 0; o < used; ++o) {
       if (kPrefetchNextBlock && o < next.rows) prefetch_head_row<T, D>(next.v + o * row_stride + h * D);
       const T* v = vb + o * row_stride + h * D;
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
-      for (int g = 0; g < G; ++g) {
-        const __m512 wg = _mm512_set1_ps(w[g][o]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(wg, vv[c], acc[g][c]);
+      Vec16 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = Vec16::load(v + c * Vec16::size);
+      for (int g = 0; g < group; ++g) {
+        const Vec16 wg = Vec16::all(w[g][o]);
+        for (int c = 0; c < C; ++c) acc[g][c] = vec::fma(wg, vv[c], acc[g][c]);
       }
     }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(s.acc[g] + c * 16, acc[g][c]);
+    for (int g = 0; g < group; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c].store(s.acc[g] + c * Vec16::size);
   }
 }
-#endif  // __AVX512F__
 
 template <typename T, int D, int G>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -320,7 +222,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             st.q[g][d] = qs[(kvh * group + g) * D + d] * scale;
             st.acc[g][d] = 0.f;
           }
-          st.m[g] = -1e30f;  // a finite "minus infinity": exp(-1e30 - m) is 0 all the same
+          st.m[g] = kMinusInfinity;
           st.total[g] = 0.f;
         }
       }
@@ -335,16 +237,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t nb = last ? table[b] : table[b + 1];
         const NextBlock<T> next{kp + nb * block_stride, vp + nb * block_stride,
                                 last ? 0 : int(std::min(block_size, n - (b + 1) * block_size))};
-#if defined(__AVX512F__)
-        if constexpr (G > 0) {
-          attend_block_avx512<T, D, G>(state.data(), num_kv_heads, kb, vb, used, row_stride, next);
-          continue;
-        }
-#endif
-        for (int64_t h0 = 0; h0 < num_kv_heads; h0 += kMaxKvHeads)
-          attend_block<T, D, G>(state.data() + h0, std::min<int64_t>(kMaxKvHeads, num_kv_heads - h0), group,
-                                kb + h0 * D, vb + h0 * D, used, row_stride,
-                                NextBlock<T>{next.k + h0 * D, next.v + h0 * D, next.rows});
+        attend_block<T, D, G>(state.data(), num_kv_heads, group, kb, vb, used, row_stride, next);
       }
       float* os = op + s * num_heads * D;
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
@@ -361,7 +254,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 // The group sizes of common models get their own compiled loop (see attend_block).
 template <typename T, int D>
 void decode_for_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& bt, const at::Tensor& cl, const int32_t* row_seq, float scale, at::Tensor& out) {
+                      const at::Tensor& bt, const at::Tensor& cl, const int32_t* row_seq, float scale,
+                      at::Tensor& out) {
   switch (group) {
     case 1: decode<T, D, 1>(q, k, v, bt, cl, row_seq, scale, out); break;
     case 2: decode<T, D, 2>(q, k, v, bt, cl, row_seq, scale, out); break;
@@ -393,18 +287,17 @@ bool supports(int64_t head_dim, int64_t group, int64_t block_size) {
          group <= kMaxGroup && block_size >= 1 && block_size <= kMaxBlockSize;
 }
 
-// True when (head_dim, group) runs the AVX-512 block update (compiled for this CPU, and a
-// head size and group with their own loop): the prefill wrapper takes the row kernel only
-// then, where it was measured faster than SDPA.
+// True when (head_dim, group) runs vectorized: SIMD registers (an AVX-512 or AVX2 build, not
+// the portable one) and a head size and group with their own compiled loop. The prefill
+// wrapper takes the row kernel only then, where it was measured faster than SDPA.
 bool vectorized(int64_t head_dim, int64_t group) {
-#if defined(__AVX512F__)
-  return (head_dim == 64 || head_dim == 128) && (group == 1 || group == 2 || group == 3 || group == 4 || group == 8);
-#else
-  (void)head_dim;
-  (void)group;
-  return false;
-#endif
+  const bool simd = std::string(vec::kIsa) != "portable";
+  return simd && (head_dim == 64 || head_dim == 128) &&
+         (group == 1 || group == 2 || group == 3 || group == 4 || group == 8);
 }
+
+// Which of vec.h's implementations this build was compiled with: "avx512", "avx2" or "portable".
+std::string isa() { return vec::kIsa; }
 
 namespace {
 

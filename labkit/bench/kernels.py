@@ -1,6 +1,6 @@
 """Benchmark paged decode attention: ``python -m labkit.bench kernels``.
 
-On a CUDA GPU (compute capability 8.0+) it times the Triton decode kernel over a grid of
+On a CUDA GPU (compute capability 7.5+) it times the Triton decode kernel over a grid of
 batch sizes and context lengths and reports, per shape:
 
 * time per call (CUDA events, median of ``--repeats``),
@@ -20,10 +20,18 @@ else Numba, reading the paged cache in place: the engine's decode on a CPU) and 
 shapes instead. ``--ref-cpu`` times both at the CPU engine's own shape (SmolLM2-135M: fp32,
 9 query / 3 KV heads, head_dim 64, block size 16; batch 64 at context 512 unless told
 otherwise) and multiplies by the model's 30 layers.
+
+The C++ kernel is built for the best instruction set this CPU runs (``LABKIT_CPU_ISA``
+chooses a lesser one: ``kernels/cpu_extension.py``); ``--isa avx512 avx2 portable`` (or
+``all``) also times the kernel of each of those builds, every one compiled for this machine,
+in the same run, call by call in turn, so that a busy machine slows them alike: the AVX2 and
+portable figures of an AVX-512 machine, and a fair comparison of the three. The load average
+is printed with the figures (the machine may be shared).
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,6 +39,7 @@ import time
 import torch
 
 from labkit.kernels import (
+    cpu_extension,
     paged_decode_attention,
     paged_decode_attention_cpu,
     paged_decode_attention_ref,
@@ -99,6 +108,36 @@ def time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_in_turn(fns: dict[str, object], warmup: int, repeats: int) -> dict[str, float]:
+    """Median milliseconds per call of each function, the functions called in turn (one call
+    each per round, the order rotating): on a shared machine a busy moment slows them all
+    alike, which timing one after the other would not."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def isa_builds(wanted: list[str]) -> dict[str, object]:
+    """The C++ extension built for each instruction set asked for ("all": every one this CPU
+    runs), compiling what is not built yet; one that cannot be built or run here is an error."""
+    isas = cpu_extension.runnable_isas() if "all" in wanted else tuple(dict.fromkeys(wanted))
+    builds = {}
+    for isa in isas:
+        ext = cpu_extension.load(isa=isa)
+        if ext is None:
+            raise SystemExit(f"--isa {isa}: {cpu_extension.status(isa)[1]}")
+        builds[isa] = ext
+    return builds
+
+
 def copy_gbps(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> float:
     """The device's measured memory bandwidth: GB/s of one large tensor copy (bytes read +
     bytes written), median of ``repeats``. The ceiling a memory-bound kernel is held to."""
@@ -132,6 +171,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ref-cpu", action="store_true",
                    help="time the CPU decode kernel and the torch reference at the CPU engine's "
                         "shapes (fp32, batch 64, context 512, 9/3 heads, head_dim 64, block 16)")
+    p.add_argument("--isa", nargs="+", choices=[*cpu_extension.ISAS, "all"],
+                   help="also time the C++ decode kernel built for these instruction sets (all: every one "
+                        "this CPU runs), in turn with each other in the same run")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -174,11 +216,19 @@ def main(argv: list[str] | None = None) -> int:
                      f"partitions of {partition} tokens then a reduce; auto: what the kernel picks "
                      f"for the shape ({multiprocessor_count(device)} SMs)")
     else:
-        notes.append("Triton timings need a CUDA GPU of compute capability 8.0+ (the Triton "
+        notes.append("Triton timings need a CUDA GPU of compute capability 7.5+ (the Triton "
                       "interpreter is not timed): timing the "
                       + ("CPU decode kernel and the " if use_cpu_kernel else "") + "torch reference")
+    builds = {}
     if device.type == "cpu":
-        notes.append(f"CPU threads: {torch.get_num_threads()}")
+        notes.append(f"CPU threads: {torch.get_num_threads()}; load average {_load_average()}")
+        if use_cpu_kernel:
+            compiled, what = cpu_extension.status()
+            notes.append(f"cpu: {what}" if compiled else f"cpu: the Numba loop ({what})")
+        if args.isa:
+            builds = isa_builds(args.isa)
+            notes.append(f"{', '.join(builds)}: the C++ kernel of each build alone (no input checks), "
+                         "timed call by call in turn")
 
     rows = []
     for head_dim in head_dims:
@@ -195,20 +245,29 @@ def main(argv: list[str] | None = None) -> int:
                                             args.block_size, dtype, device)
                 moved = bytes_moved(batch, context, num_heads, num_kv_heads, head_dim, dtype)
                 if use_triton:
-                    ms = time_ms(lambda: paged_decode_attention(*inputs, partition_size=0), device,
+                    ms = time_ms(lambda inputs=inputs: paged_decode_attention(*inputs, partition_size=0), device,
                                  args.warmup, args.repeats)
                     row.update(triton_ms=ms, triton_gbps=moved / ms / 1e6, triton_of_copy=moved / ms / 1e6 / ceiling)
-                    ms = time_ms(lambda: paged_decode_attention(*inputs, partition_size=partition), device,
-                                 args.warmup, args.repeats)
+                    ms = time_ms(lambda inputs=inputs: paged_decode_attention(*inputs, partition_size=partition),
+                                 device, args.warmup, args.repeats)
                     row.update(split_ms=ms, split_gbps=moved / ms / 1e6, split_of_copy=moved / ms / 1e6 / ceiling,
                                auto="split" if choose_partition_size(batch, num_kv_heads, context,
                                                                      multiprocessor_count(device), tile) else "triton")
                 if use_cpu_kernel and dtype in (torch.float32, torch.bfloat16):  # fp16 falls back to the reference
-                    ms = time_ms(lambda: paged_decode_attention_cpu(*inputs), device, args.warmup, args.repeats)
+                    ms = time_ms(lambda inputs=inputs: paged_decode_attention_cpu(*inputs), device,
+                                 args.warmup, args.repeats)
                     row.update(cpu_ms=ms, cpu_gbps=moved / ms / 1e6, cpu_of_copy=moved / ms / 1e6 / ceiling)
+                if builds and dtype in (torch.float32, torch.bfloat16):
+                    q, k, v, tables, lens, scale = inputs
+                    q = q.float().contiguous()
+                    isa_ms = time_in_turn({isa: (lambda ext=ext: ext.paged_decode_attention(q, k, v, tables, lens,
+                                                                                             scale))
+                                           for isa, ext in builds.items()}, args.warmup, args.repeats)
+                    row.update({f"{isa}_ms": ms for isa, ms in isa_ms.items()})
+                    row.update({f"{isa}_gbps": moved / ms / 1e6 for isa, ms in isa_ms.items()})
                 if not args.no_baseline or not use_triton:
                     try:
-                        ms = time_ms(lambda: paged_decode_attention_ref(*inputs), device,
+                        ms = time_ms(lambda inputs=inputs: paged_decode_attention_ref(*inputs), device,
                                      args.warmup, args.repeats)
                         row.update(torch_ms=ms, torch_gbps=moved / ms / 1e6)
                     except torch.cuda.OutOfMemoryError:
@@ -220,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 if on_gpu:
                     torch.cuda.empty_cache()
 
+    if device.type == "cpu":
+        notes.append(f"load average after: {_load_average()}")
     meta = dict(device=torch.cuda.get_device_name(device) if on_gpu else "cpu",
                 torch=torch.__version__, copy_gbps=ceiling, partition_size=partition if use_triton else None,
                 notes=notes)
@@ -230,9 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {note}")
     header = f"{'d':>4} {'batch':>5} {'ctx':>6}"
     if use_triton:
-        header += f" {'triton ms':>10} {'GB/s':>8} {'of copy':>7} {'split ms':>10} {'GB/s':>8} {'of copy':>7} {'auto':>6}"
+        header += (f" {'triton ms':>10} {'GB/s':>8} {'of copy':>7}"
+                   f" {'split ms':>10} {'GB/s':>8} {'of copy':>7} {'auto':>6}")
     if use_cpu_kernel:
         header += f" {'cpu ms':>10} {'GB/s':>8} {'of copy':>7}"
+    for isa in builds:
+        header += f" {isa + ' ms':>11} {'GB/s':>6}"
     header += f" {'torch ms':>10} {'GB/s':>8}"
     if use_triton and not args.no_baseline:
         header += f" {'speedup':>8}"
@@ -246,10 +310,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if use_triton:
             line += (f" {row['triton_ms']:>10.3f} {row['triton_gbps']:>8.1f} {row['triton_of_copy']:>7.0%}"
-                     f" {row['split_ms']:>10.3f} {row['split_gbps']:>8.1f} {row['split_of_copy']:>7.0%} {row['auto']:>6}")
+                     f" {row['split_ms']:>10.3f} {row['split_gbps']:>8.1f} {row['split_of_copy']:>7.0%}"
+                     f" {row['auto']:>6}")
         if use_cpu_kernel:
             line += (f" {row['cpu_ms']:>10.3f} {row['cpu_gbps']:>8.1f} {row['cpu_of_copy']:>7.0%}" if "cpu_ms" in row
                      else f" {'(fp32/bf16)':>10} {'':>8} {'':>7}")
+        for isa in builds:
+            line += (f" {row[isa + '_ms']:>11.3f} {row[isa + '_gbps']:>6.1f}" if isa + "_ms" in row
+                     else f" {'':>11} {'':>6}")
         if row.get("torch_ms") is not None:
             line += f" {row['torch_ms']:>10.3f} {row['torch_gbps']:>8.1f}"
             if use_triton:
@@ -260,6 +328,14 @@ def main(argv: list[str] | None = None) -> int:
             line += f"  {row['per_step_ms']:>16.1f}"
         print(line)
     return 0
+
+
+def _load_average() -> str:
+    """The 1-, 5- and 15-minute load averages (what else ran on the machine meanwhile)."""
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:  # not available on this platform
+        return "unknown"
 
 
 if __name__ == "__main__":

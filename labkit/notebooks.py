@@ -467,8 +467,9 @@ def match_check_cells(submitted, distributed) -> tuple[list[CheckCellMatch], lis
     A cell is found by its id (Jupyter keeps cell ids, so an edited check cell, even one
     whose ``# CHECK`` line was removed, is still recognised), else as the first unpaired
     check cell with the same first line, else as the first unpaired code cell holding that line
-    further down (a notebook without cell ids whose check cell has code typed above it). Returns the pairs, in the distributed order, and
-    the positions of the submitted check cells that stand for none (extra ones). A copy of one
+    further down (a notebook without cell ids whose check cell has code typed above it).
+    Returns the pairs, in the distributed order, and the positions of the submitted check
+    cells that stand for none (extra ones). A copy of one
     of the lab's check cells (same first line: a check duplicated to run it again) is neither
     paired nor extra. ``edited`` ignores comments and layout.
     """

@@ -42,6 +42,7 @@ from labkit.exercises import memory as M
 from labkit.exercises import prefix as P
 from labkit.exercises import sampling as SA
 from labkit.exercises import serving as S
+from labkit.exercises import speculative as SP
 from labkit.exercises import structured as X
 from labkit.sim import TraceRequest, simulate
 
@@ -216,6 +217,16 @@ EXERCISES = [
              [Part(0, "count", counts(0, 400)), Part(1, "count", counts(0, 400)), Part(2, "count", counts(0, 400))]),
     Exercise("10.2", P.check_eviction_order, lambda: (list(P._ex2_measured()[0]),),
              [Part(0, "sequence", lambda: [list(p) for p in itertools.permutations(range(P.EX2_POOL), 3)])]),
+    Exercise("11.1", SP.check_verify_blocks,
+             lambda: tuple(SP.verify_blocks()[n] for n in ("blocks_during", "blocks_after", "slots_given_back")),
+             [Part(0, "count", counts(0, 60)), Part(1, "count", counts(0, 60)), Part(2, "count", counts(0, 60))]),
+    Exercise("11.2", SP.check_speedup_formula,
+             lambda: (SP.ex2_expected()["tokens_per_step"], SP.ex2_expected()["speedup"]),
+             [Part(0, "number", grid(lambda: SP.ex2_expected()["tokens_per_step"], 0.7),
+                   lambda: SP.ex2_expected()["tokens_per_step"], {"number": lambda x: x}),
+              Part(1, "number", grid(lambda: SP.ex2_expected()["speedup"], 0.7), lambda: SP.ex2_expected()["speedup"],
+                   RATIO)]),
+    Exercise("11.3", SP.check_crossover_batch, lambda: (SP.crossover_batch(),), [Part(0, "count", counts(1, 200))]),
     Exercise("12.1", X.check_allowed_tokens, lambda: tuple(set(X.ex1_expected()[n]) for n in X.EX1_TEXTS),
              [Part(k, "set", lambda: [set(p) for n in range(len(X.EX1_VOCAB) + 1)
                                       for p in itertools.combinations(range(len(X.EX1_VOCAB)), n)])
@@ -250,7 +261,7 @@ def test_the_registry_covers_every_value_grader():
     """Every grader of the modules above that takes values (not functions) is in ``EXERCISES``: a
     grader of code (12.2's ``token_allowed``) comes in two halves, ``probe`` and ``judge``."""
     graded = {e.grader for e in EXERCISES}
-    for module in (EN, M, B, D, S, SA, BM, P, X):
+    for module in (EN, M, B, D, S, SA, BM, P, SP, X):
         for name in dir(module):
             f = getattr(module, name)
             if getattr(f, "judge", None) is not None:

@@ -83,6 +83,10 @@ def workload(name: str, num_requests: int) -> list[str]:
     return [messages[i % len(messages)] for i in range(num_requests)]
 
 
+#: Room in the KV cache per sequence for the longest prompt of either workload (about 250
+#: tokens through the chat template), with margin.
+PROMPT_TOKENS = 512
+
 #: The engines compared, as ``speculative_config`` values (None: no speculation).
 CONFIGS: dict[str, dict | None] = {
     "off": None,
@@ -233,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(sizes)
     # One engine per config, each with a KV cache just big enough for the largest batch.
     engines = {c: LLM(args.model, max_num_seqs=longest, enable_prefix_caching=False,
-                      num_blocks=longest * (1024 + args.max_tokens) // 16 + 16, speculative_config=configs_used[c])
+                      num_blocks=longest * (PROMPT_TOKENS + args.max_tokens) // 16 + 16,
+                      speculative_config=configs_used[c])
                for c in configs}
     runs = measure(engines, workloads, sizes, args.num_requests, args.max_tokens)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())

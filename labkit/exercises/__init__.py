@@ -9,8 +9,9 @@ keeps: one rounding rule, hints that diagnose and never navigate, plain-data arg
 3.3), ``engine`` the engine arithmetic of chapters 0, 1, 3 and 6, ``bughunt`` chapter 2's
 tests, ``batching`` chapter 4, ``kernels`` chapter 5, ``sampling`` chapter 6's sampling
 exercise (6.3), ``disagg`` chapter 7, ``serving`` chapter 8, ``beams`` chapter 9 (beam search
-on shared blocks and swapping) and ``prefix`` chapter 10 (prefix caching by hashes and by a
-radix tree). Each grader module's ``answer_forms()`` lists what would give its answers away.
+on shared blocks and swapping), ``prefix`` chapter 10 (prefix caching by hashes and by a
+radix tree) and ``speculative`` chapter 11 (speculative decoding on the block table). Each
+grader module's ``answer_forms()`` lists what would give its answers away.
 
 Importing this package in a notebook's kernel makes a check cell whose answer variables are
 not defined yet say "not answered yet" and name them, instead of raising a ``NameError``

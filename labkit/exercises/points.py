@@ -56,6 +56,10 @@ POINTS: dict[str, int] = {
     # 10 prefix caching: hash blocks vs a radix tree
     "10.1": 2,  # tokens a chat's second turn reuses under three caches
     "10.2": 2,  # the radix tree's next three eviction victims
+    # 11 speculative decoding
+    "11.1": 2,  # a verify step on the block table: blocks during and after, slots given back
+    "11.2": 1,  # the expected tokens per verifying step and speedup, from the formula
+    "11.3": 2,  # the batch size from which speculation stops paying, in a cost model
     # 12 structured outputs
     "12.1": 2,  # the tokens a grammar allows next over a toy vocabulary, after three texts
     "12.2": 3,  # a token walked through an automaton

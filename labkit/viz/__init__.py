@@ -23,6 +23,9 @@
 * the **grammar's view** (``trace_grammar``, ``grammar_figure``, ``grammar_data``): at each step of a
   constrained generation (``structured_outputs``), the model's most likely tokens, which of them
   the grammar allowed, how many tokens it allowed in all, and the tokens jump-forward drafted.
+* the **verifier's view** (``record_speculation``, ``speculation_figure``, ``speculation_data``,
+  ``speculation_text``): at each step of speculative decoding, the guesses, which the target kept,
+  and the KV slots they took while verifying and gave back after.
 
 Importing ``labkit.viz`` is light: plotly and ipywidgets load when a figure or widget is
 first built (``pip install 'labkit[lab]'`` provides them). Figure functions return plain
@@ -56,6 +59,8 @@ _EXPORTS = {
     "beam_animation": "beams", "demo_tree": "beams", "record_engine_beams": "beams",
     "GrammarStep": "structured", "trace_grammar": "structured", "grammar_data": "structured",
     "grammar_figure": "structured",
+    "record_speculation": "speculative", "speculation_data": "speculative", "speculation_figure": "speculative",
+    "speculation_text": "speculative",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -26,7 +26,7 @@ VENV        ?= .venv
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.labkit-$(EXTRAS)
 
-.PHONY: lab test test-fast lint setup model browser sandbox notebooks grade dist bench-sim clean help
+.PHONY: lab test lint setup model browser sandbox notebooks grade dist bench-sim clean help
 .PHONY: vllm-venv gpu-check
 
 help:

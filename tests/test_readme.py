@@ -56,6 +56,7 @@ class Rule:
 RULES = [
     Rule(r"make test\b|python -m pytest\b", "skip", "the test suite itself: this test runs inside it"),
     Rule(r"make lab\b", "lab", slow=True),
+    Rule(r"make lint$", "run", timeout_s=300),
     Rule(r"make setup\b.*TORCH_INDEX=\S*/cu\d+", "skip", "installs a CUDA build of torch (several GB)"),
     Rule(r"make dist\b", "skip", "built and checked by tests/test_install.py (test_make_dist_builds_a_wheel...)"),
     Rule(r"make grade\b|python -m labkit\.notebooks verify\b", "skip",

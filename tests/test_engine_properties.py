@@ -4,26 +4,33 @@
 Rules do what users do, in any order: add a request (n 1-3, stop strings, stop token ids,
 min/max tokens, seeds, greedy or not, prompts from 1 token to past the model's limit),
 abort one, fork a decoding sequence, step, open a stream and abandon it. Every
-configuration runs: both policies, chunked prefill on and off, prefix caching on and off,
-on pools small enough that preemption happens.
+configuration runs: both policies, chunked prefill on and off, prefix caching off, by hash
+and by radix tree, preemption by recompute and by swapping (to a host pool small enough that
+swapping falls back to recompute too), on pools small enough that preemption happens. On the
+real model each example also draws its speculative decoding: none, prompt lookup
+(``ngram``) or the target's first layer (``draft_layers``), 1-4 guesses a step.
 
 After every rule:
 * the allocator's invariants hold, and each block's reference count is the number of live
   tables holding it;
 * every running sequence's block table holds exactly its computed tokens; waiting and
   finished sequences hold no blocks (the static policy's finished ones until their batch ends);
+  swapped ones hold host blocks, their computed tokens, and the host pool's counts are theirs;
+* with speculation on, no sequence holds a guess or a lookahead slot between steps: under
+  the continuous policy a running table has exactly the blocks its computed tokens need;
 * the batch never exceeds ``max_num_seqs``;
 * a finish reason, once set, never changes.
 
 At the end, the engine drains within a bound of steps; then no block is held, no request
 or per-sequence text is left, and every greedy request that was not aborted or forked has
-the tokens the same request gets run alone.
+the tokens the same request gets run alone, without speculation.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import json
 import string
 import warnings
 
@@ -39,28 +46,38 @@ from labkit.engine import Engine
 from labkit.memory import BlockAllocator
 from labkit.request import Request, Status
 from labkit.scheduler import make_scheduler
+from labkit.utils import cdiv
 from labkit.sim import SimExecutor
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 40          # prompts are drawn up to past it: the limit itself is exercised
 VOCAB = 384                 # tiny-llama's (the simulator maps ids into a smaller one)
 NUM_BLOCKS = 11             # 44 slots: a few requests fill it, preemption follows
+NUM_HOST_BLOCKS = 4         # swapping's host pool: smaller still, so swap falls back to recompute too
 
-# (policy, chunked prefill, prefix caching): every combination the policies have.
+# (policy, chunked prefill, prefix caching, preemption mode): every combination the policies
+# have, and each prefix cache and preemption mode beside chunked prefill and without it (the
+# static policy reserves ahead and never preempts).
 CONFIGS = {
-    "continuous-chunked-cached": ("continuous", True, True),
-    "continuous-chunked": ("continuous", True, False),
-    "continuous-whole-cached": ("continuous", False, True),
-    "continuous-whole": ("continuous", False, False),
-    "static-cached": ("static", False, True),
-    "static": ("static", False, False),
+    "continuous-chunked-cached": ("continuous", True, "hash", "recompute"),
+    "continuous-chunked": ("continuous", True, None, "recompute"),
+    "continuous-whole-cached": ("continuous", False, "hash", "recompute"),
+    "continuous-whole": ("continuous", False, None, "recompute"),
+    "continuous-chunked-radix-swap": ("continuous", True, "radix", "swap"),
+    "continuous-whole-radix": ("continuous", False, "radix", "recompute"),
+    "continuous-whole-cached-swap": ("continuous", False, "hash", "swap"),
+    "continuous-chunked-swap": ("continuous", True, None, "swap"),
+    "static-cached": ("static", False, "hash", "recompute"),
+    "static-radix": ("static", False, "radix", "recompute"),
+    "static": ("static", False, None, "recompute"),
 }
 
 
 def scheduler_options(config: str) -> dict:
-    _, chunked, _ = CONFIGS[config]
+    _, chunked, _, mode = CONFIGS[config]
     return dict(max_num_seqs=4, max_num_batched_tokens=24, enable_chunked_prefill=chunked,
-                max_model_len=MAX_MODEL_LEN, watermark=0.0)
+                max_model_len=MAX_MODEL_LEN, watermark=0.0, preemption_mode=mode,
+                num_host_blocks=NUM_HOST_BLOCKS if mode == "swap" else 0)
 
 
 # Prompts share a prefix often, so prefix-cache hits (and forks of cached blocks) happen.
@@ -92,6 +109,17 @@ def sampling_params(draw) -> SamplingParams:
         ignore_eos=draw(st.booleans()))
 
 
+# Speculative decoding, drawn once per example on the real model: none, prompt lookup, or the
+# target's first layer as its draft (guesses and lookahead slots), 1-4 guesses a step.
+speculation = st.one_of(
+    st.none(),
+    st.builds(lambda k: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                         "prompt_lookup_max": 3}, st.integers(1, 4)),
+    st.builds(lambda k: {"method": "draft_layers", "num_layers": 1, "num_speculative_tokens": k},
+              st.integers(1, 4)),
+)
+
+
 # What the runs reached, per machine class: the tests check every rule did its work.
 EVENTS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
@@ -104,9 +132,7 @@ class EngineMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.events = EVENTS[type(self).__name__]
-        self.engine = self.make_engine()
-        self.scheduler = self.engine.scheduler
-        self.preemptions_before = self.scheduler.num_preemptions   # the LLM is shared by examples
+        self.engine: Engine | None = None         # built by the initialize rule, which draws its speculation
         self.requests: list[Request] = []        # every request this machine added
         self.reasons: dict[int, str] = {}        # seq_id -> the finish reason first seen
         self.forked: set[str] = set()            # requests with a forked child
@@ -114,18 +140,31 @@ class EngineMachine(RuleBasedStateMachine):
         self.num_ids = 0
 
     # ---- configuration ------------------------------------------------------------------
-    def make_engine(self) -> Engine:
+    def make_engine(self, spec: dict | None) -> Engine:
         raise NotImplementedError
 
     def run_alone(self, request: Request) -> list[list[int]]:
         """The output tokens of each sample of ``request``, run alone on a fresh engine."""
         raise NotImplementedError
 
-    # ---- rules ----------------------------------------------------------------------------
-    @initialize()
-    def starts_idle(self):
+    def start(self, spec: dict | None) -> None:
+        """Build the engine (``spec``: its speculative decoding); it starts idle and empty.
+        The subclasses' initialize rule calls it."""
+        self.spec = spec
+        self.engine = self.make_engine(spec)
+        self.scheduler = self.engine.scheduler
+        self.speculator = getattr(self.engine.executor, "speculator", None) if spec else None
+        # The LLM is shared by examples: its counters are read as differences.
+        self.preemptions_before = self.scheduler.num_preemptions
+        self.swaps_before = (self.scheduler.num_swap_outs, self.scheduler.num_swap_fallbacks)
+        s = self.speculator.stats if self.speculator is not None else None
+        self.spec_before = (s.num_draft_tokens, s.num_accepted_tokens) if s is not None else (0, 0)
         assert not self.scheduler.has_unfinished
         assert self.scheduler.allocator.num_used_blocks == 0
+        if self.scheduler.host_allocator is not None:
+            assert self.scheduler.host_allocator.num_used_blocks == 0
+
+    # ---- rules ----------------------------------------------------------------------------
 
     def adapt(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """The request this executor's vocabulary can take (a hook)."""
@@ -206,6 +245,38 @@ class EngineMachine(RuleBasedStateMachine):
         for seq in sched.waiting:
             assert seq.status is Status.WAITING and seq.block_table is None, seq
         assert len(sched.running) <= sum(s.request.width for s in sched.running) <= sched.max_num_seqs
+        host = sched.host_allocator
+        assert host is not None or not sched.swapped
+        if host is not None:
+            # Swapped sequences hold host blocks: their computed tokens, and every reference.
+            host.check_invariants()
+            on_host = collections.Counter()
+            for seq in sched.swapped:
+                assert seq.status is Status.SWAPPED and seq.num_computed_tokens > 0, seq
+                table = seq.block_table
+                assert table is not None and not table.freed and table.allocator is host, seq
+                assert table.num_tokens == seq.num_computed_tokens, seq
+                on_host.update(table.block_ids)
+            for block_id in range(host.num_blocks):
+                assert host.ref_count(block_id) == on_host[block_id], ("host", block_id)
+        queued = [*sched.running, *sched.waiting, *sched.swapped]
+        assert len(queued) == len({s.seq_id for s in queued}), "a sequence in two queues"
+
+    @invariant()
+    def no_guess_between_steps(self):
+        """With speculation on: every guess was kept or taken back with its slot, and no
+        lookahead slot is left (``labkit.spec_decode.speculator``'s invariant)."""
+        spec = self.speculator
+        if spec is None:
+            return
+        assert not spec.first_positions(), "a guess outlived its step"
+        stats = spec.stats
+        assert 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens
+        for seq in self.scheduler.running:
+            assert spec.lookahead_of(seq) == 0, seq
+            assert seq.block_table.num_tokens == seq.num_computed_tokens, seq
+            if self.scheduler.policy == "continuous":      # the static policy reserves blocks ahead
+                assert seq.block_table.num_blocks == cdiv(seq.num_computed_tokens, BLOCK_SIZE), seq
 
     @invariant()
     def finish_reasons_never_change(self):
@@ -220,6 +291,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     # ---- the end ----------------------------------------------------------------------------
     def teardown(self):
+        if self.engine is None:
+            return                              # the engine could not be built: nothing to drain
         sched = self.scheduler
         # Each step computes at least one token of some sequence; preemption may recompute a
         # sequence's tokens once per preemption. This bound is generous and still finite.
@@ -230,11 +303,14 @@ class EngineMachine(RuleBasedStateMachine):
             assert steps < bound, f"the engine did not drain in {bound} steps"
             self.step()
             self.memory_is_consistent()
+            self.no_guess_between_steps()
             self.finish_reasons_never_change()
             steps += 1
-        assert not sched.running and not sched.waiting and not sched.requests
+        assert not sched.running and not sched.waiting and not sched.swapped and not sched.requests
         assert not sched.sequences_holding_blocks()
         assert sched.allocator.num_used_blocks == 0, "blocks leaked"
+        if sched.host_allocator is not None:
+            assert sched.host_allocator.num_used_blocks == 0, "host blocks leaked"
         for request in self.requests:
             assert request.finished and request.finished_time is not None
             if request.request_id not in self.aborted:
@@ -245,10 +321,23 @@ class EngineMachine(RuleBasedStateMachine):
                 got = [s.output_token_ids for s in request.seqs]
                 assert got == self.run_alone(request), request
                 self.events["greedy = alone"] += 1
+                if self.spec is not None:
+                    self.events[f"greedy = alone, {self.spec['method']}"] += 1
             self.events.update(f"finish {s.finish_reason}" for s in request.seqs)
             self.engine.release(request)
         assert self.engine.num_tracked_sequences == 0, "per-sequence text state leaked"
         self.events["preemption"] += sched.num_preemptions - self.preemptions_before
+        self.events["swap"] += sched.num_swap_outs - self.swaps_before[0]
+        self.events["swap fallback"] += sched.num_swap_fallbacks - self.swaps_before[1]
+        if self.speculator is not None:
+            s, method = self.speculator.stats, self.spec["method"]
+            drafted, kept = s.num_draft_tokens - self.spec_before[0], s.num_accepted_tokens - self.spec_before[1]
+            self.events["speculating"] += 1
+            self.events[f"{method} example"] += 1
+            self.events[f"{method} kept"] += kept
+            self.events[f"{method} rejected"] += drafted - kept
+            self.events[f"preemption, {method}"] += sched.num_preemptions - self.preemptions_before
+            self.events[f"swap, {method}"] += sched.num_swap_outs - self.swaps_before[0]
         assert not self.engine.deltas
 
 
@@ -263,52 +352,74 @@ class SimMachine(EngineMachine):
         params.stop_token_ids = [t % self.VOCAB for t in params.stop_token_ids]
         return [t % self.VOCAB for t in prompt], params
 
-    def make_engine(self) -> Engine:
-        policy, _, caching = CONFIGS[self.CONFIG]
+    @initialize()
+    def starts_idle(self):
+        self.start(None)                         # the simulator does not speculate
+
+    def make_engine(self, spec: dict | None) -> Engine:
+        assert spec is None
+        policy, _, caching, _ = CONFIGS[self.CONFIG]
         alloc = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=caching)
         return Engine(make_scheduler(policy, alloc, **scheduler_options(self.CONFIG)),
                       SimExecutor(vocab_size=self.VOCAB), keep_records=False)
 
     def run_alone(self, request: Request) -> list[list[int]]:
-        engine = self.make_engine()
+        engine = self.make_engine(None)
         alone = engine.add_request(request.prompt_token_ids, request.params, request_id=request.request_id)
         while engine.has_unfinished:
             engine.step()
         return [s.output_token_ids for s in alone.seqs]
 
 
-_LLMS: dict[str, LLM] = {}
+_LLMS: dict[tuple[str, str], LLM] = {}
 
 
-def tiny_llm(config: str) -> LLM:
-    """One ``LLM`` per configuration, shared by the examples: each starts it idle with an
-    empty prefix cache, as a fresh one, so that a failing example replays the same way."""
-    llm = _LLMS.get(config)
+def tiny_llm(config: str, spec: dict | None = None) -> LLM:
+    """One ``LLM`` per configuration and speculative decoding, shared by the examples: each
+    starts it idle with an empty prefix cache, as a fresh one, so that a failing example
+    replays the same way (tiny-llama loads in milliseconds once its weights are cached)."""
+    key = (config, json.dumps(spec, sort_keys=True))
+    llm = _LLMS.get(key)
     if llm is not None and (llm.scheduler.has_unfinished or llm.allocator.num_used_blocks
-                            or llm.engine.num_tracked_sequences):
+                            or llm.engine.num_tracked_sequences or llm.scheduler.swapped
+                            or (llm.scheduler.host_allocator is not None
+                                and llm.scheduler.host_allocator.num_used_blocks)):
         llm = None                       # a failed example left it dirty: start over
     if llm is not None:
         llm.reset_prefix_cache()
     else:
-        policy, chunked, caching = CONFIGS[config]
+        policy, chunked, caching, mode = CONFIGS[config]
         options = scheduler_options(config)
-        _LLMS[config] = LLM("tiny-llama", policy=policy, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
-                            enable_prefix_caching=caching, max_num_seqs=options["max_num_seqs"],
-                            max_num_batched_tokens=options["max_num_batched_tokens"],
-                            enable_chunked_prefill=chunked, max_model_len=MAX_MODEL_LEN, watermark=0.0)
-    return _LLMS[config]
+        _LLMS[key] = LLM("tiny-llama", policy=policy, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                         enable_prefix_caching=caching or False, max_num_seqs=options["max_num_seqs"],
+                         max_num_batched_tokens=options["max_num_batched_tokens"],
+                         enable_chunked_prefill=chunked, max_model_len=MAX_MODEL_LEN, watermark=0.0,
+                         preemption_mode=mode, num_host_blocks=options["num_host_blocks"] or None,
+                         speculative_config=spec)
+    return _LLMS[key]
 
 
 class ModelMachine(EngineMachine):
-    """The real engine path: ``LLM`` with ``tiny-llama``, its tokenizer, its stop strings."""
+    """The real engine path: ``LLM`` with ``tiny-llama``, its tokenizer, its stop strings;
+    with speculative decoding or without, as the example draws."""
 
-    def make_engine(self) -> Engine:
+    @initialize(spec=speculation)
+    def starts_idle(self, spec):
+        self.start(spec)
+
+    def make_engine(self, spec: dict | None) -> Engine:
         torch.manual_seed(0)                # unseeded samples draw from the global generator
-        self.llm = tiny_llm(self.CONFIG)
+        self.llm = tiny_llm(self.CONFIG, spec)
+        self.plain: LLM | None = None       # the reference: the same configuration, no speculation
         return self.llm.engine
 
     def run_alone(self, request: Request) -> list[list[int]]:
-        out = self.llm.generate([request.prompt_token_ids], request.params, use_tqdm=False)[0]
+        """Alone, and without speculation: greedy tokens with guesses equal those without."""
+        if self.spec is None:
+            self.plain = self.llm
+        elif self.plain is None:
+            self.plain = tiny_llm(self.CONFIG)
+        out = self.plain.generate([request.prompt_token_ids], request.params, use_tqdm=False)[0]
         return [c.token_ids for c in out.outputs]
 
     @rule(prompt=prompts, params=sampling_params(), take=st.integers(0, 3))
@@ -339,11 +450,13 @@ def check_reached_everything(events: collections.Counter, config: str, *, model:
     are required of it."""
     wanted = ["add", "abort", "fork tried", "step", "greedy = alone"]
     if model:
-        wanted.append("stream")
+        wanted += ["stream", "speculating"]
     else:
         wanted += ["add refused", "finish length", "finish abort", "finish stop", "fork refused"]
         if CONFIGS[config][0] == "continuous":    # static batching neither forks nor preempts
             wanted += ["fork", "preemption"]
+        if CONFIGS[config][3] == "swap":         # a host pool that takes victims, and one that is full
+            wanted += ["swap", "swap fallback"]
     missing = [w for w in wanted if not events[w]]
     assert not missing, f"{config}: never reached {missing} ({dict(events)})"
 
@@ -360,3 +473,22 @@ def test_model_engine_under_random_use(config):
     machine = type(f"Model_{config}", (ModelMachine,), {"CONFIG": config})
     run_state_machine_as_test(machine, settings=MODEL_SETTINGS)
     check_reached_everything(EVENTS[machine.__name__], config, model=True)
+
+
+def test_speculation_reached_everything():
+    """After the model's runs (the tests above, in file order): each method drafted, had
+    guesses kept and guesses rejected, met preemption, and gave the greedy tokens of a run
+    without speculation; one method met swapping. Across the configurations, not in each:
+    whether a guess is right depends on the model's tokens (float rounding), and a dozen
+    examples per configuration are too few to demand every outcome of each."""
+    runs = [EVENTS.get(f"Model_{config}") for config in CONFIGS]
+    if not all(runs):
+        pytest.skip("needs every test_model_engine_under_random_use run before it, in this process")
+    total = sum(runs, collections.Counter())
+    wanted = [want for method in ("ngram", "draft_layers")
+              for want in (f"{method} example", f"{method} kept", f"{method} rejected", f"preemption, {method}",
+                           f"greedy = alone, {method}")]
+    missing = [w for w in wanted if not total[w]]
+    if not total["swap, ngram"] + total["swap, draft_layers"]:
+        missing.append("swap while speculating")
+    assert not missing, f"never reached {missing} ({dict(total)})"

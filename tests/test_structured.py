@@ -314,3 +314,30 @@ def test_on_a_gpu_the_mask_holds_and_jumps_change_nothing():
                 assert_valid("json", o.outputs[0].text)
         assert_pool_whole(llm)
     assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    {"method": "draft_layers", "num_layers": 1, "num_speculative_tokens": 3},
+], ids=["ngram", "draft_layers"])
+def test_speculation_keeps_to_the_grammar(tiny, spec):
+    """With speculation on, a constrained sequence's guesses are cut before the first token its
+    grammar forbids: the outputs are the constrained outputs without speculation, every
+    stopped one valid, and guesses were both drafted and kept (else this proves nothing)."""
+    prompts = [f"person {i}: " + "ab " * i for i in range(4)]
+    for kind in ("json", "regex", "choice"):
+        params = constrained(kind, max_tokens=40)
+        reference = [o.outputs[0] for o in tiny.generate(prompts, params, use_tqdm=False)]
+        # jump-forward off: the guesses checked against the mask are the method's own
+        llm = LLM("tiny-llama", num_blocks=128, block_size=8, max_num_seqs=16, speculative_config=spec,
+                  jump_forward=False)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert [(c.token_ids, c.finish_reason) for c in outs] == [(c.token_ids, c.finish_reason) for c in reference]
+        for c in outs:
+            if c.finish_reason == "stop":
+                assert_valid(kind, c.text)
+        if kind != "choice":           # a few words: nothing in them for a guess to find
+            stats = llm.stats()
+            assert stats["spec_decode_num_draft_tokens"] > 0, f"{kind}: nothing was guessed"
+            assert stats["spec_decode_num_accepted_tokens"] > 0, f"{kind}: no guess was kept"
+        assert_pool_whole(llm)

@@ -216,7 +216,7 @@ class Speculator:
         matcher = grammars.matcher(seq.request, seq.index)
         n = 0
         for t in tokens:
-            if matcher.is_terminated() or not matcher.accept_token(t):
+            if t in grammars.never_allowed or matcher.is_terminated() or not matcher.accept_token(t):
                 break
             n += 1
         if n:

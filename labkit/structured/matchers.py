@@ -64,6 +64,9 @@ class GrammarMatchers:
         max_threads = default_fill_threads() if max_threads is None else max_threads
         self.grammars = GrammarCache(tokenizer, vocab_size, stop_token_ids, max_threads=max_threads)
         self.vocab_size = vocab_size
+        # Tokens no grammar ever allows (special tokens, blanked in the vocabulary): a draft that
+        # proposes one is cut there without asking a matcher, which would log a warning for it.
+        self.never_allowed = frozenset(self.grammars.info.special_token_ids) - set(stop_token_ids)
         self._matchers: dict[object, list] = {}   # request -> one matcher per sample index (None: not yet)
         self._batch = None                         # xgrammar.BatchGrammarMatcher, made on first use
         self._bitmask = allocate_bitmask(0, vocab_size)

@@ -1,7 +1,8 @@
 # labkit: the commands of the README, and what they stand on.
 #
 #   make lab    set everything up, then open the lab: JupyterLab on chapter 00 (PORT=8888)
-#   make test   set everything up, then run the whole test suite
+#   make test   set everything up, then run the whole test suite (one worker per core, TEST_JOBS=N)
+#   make test-fast  the inner loop: every test not marked slow, browser or notebook
 #   make dist   build the wheel an instructor hosts for Colab (dist/labkit-VERSION-py3-none-any.whl)
 #
 # Everything installs into .venv from the project's own files, or into the active conda
@@ -26,7 +27,7 @@ VENV        ?= .venv
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.labkit-$(EXTRAS)
 
-.PHONY: lab test lint setup model browser sandbox notebooks grade dist bench-sim clean help
+.PHONY: lab test test-fast lint setup model browser sandbox notebooks grade dist bench-sim clean help
 .PHONY: vllm-venv gpu-check
 
 help:
@@ -40,8 +41,16 @@ lab: setup model
 	  --LabApp.default_url=/lab/tree/00_setup_and_tour.ipynb \
 	  $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_OPTS)
 
+# One pytest-xdist worker per core (TEST_JOBS=1: in one process, in file order). worksteal: an idle
+# worker takes tests from a busy one, so the long notebook runs do not end the suite alone.
+TEST_JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
+PYTEST_JOBS  = $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist worksteal)
+
 test: setup model browser sandbox
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_JOBS)
+
+test-fast: setup model
+	$(BIN)/python -m pytest $(PYTEST_JOBS) -m "not slow and not browser and not notebook" -q
 
 # ruff with the rules pyproject.toml states and justifies (CI runs it before the tests).
 lint: $(STAMP)

@@ -96,6 +96,10 @@ class StopStrings:
                 return state, i + 1 - match[state]
         return state, None
 
+    def match_length(self, state: int) -> int:
+        """Length of the longest stop string that ends at ``state`` (0: none does)."""
+        return self._match[state]
+
     def depth(self, state: int) -> int:
         """How many trailing characters of the text fed so far could begin a stop string."""
         return self._depth[state]
@@ -138,8 +142,8 @@ class StopMatcher:
             self.state, cut = self.automaton.scan(self.state, text, start)
             if cut is None or armed:
                 break
-            start = cut + self.automaton._match[self.state]      # ignored: keep going
-        self.fed = len(text) if cut is None else cut + self.automaton._match[self.state]
+            start = cut + self.automaton.match_length(self.state)      # ignored: keep going
+        self.fed = len(text) if cut is None else cut + self.automaton.match_length(self.state)
         return cut
 
     @property

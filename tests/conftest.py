@@ -20,6 +20,13 @@ except ImportError:          # pragma: no cover - torch is a dependency
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (``make test`` runs one worker per core), each worker's torch gets its
+# share of the cores: two workers each running two-thread matmuls on two cores would spend
+# their time preempting each other's OpenMP threads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # The hostile class's attack cells are data for tests/test_grade_hostile.py, not tests: two of
 # them are named *_test.py, which pytest would otherwise collect.
 collect_ignore = ["grade_fixtures"]

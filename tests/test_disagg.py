@@ -11,6 +11,7 @@ from labkit.memory import BlockAllocator
 from labkit.request import Request
 from labkit.sampling_params import SamplingParams
 from labkit.scheduler import Scheduler
+from labkit.scheduler.preemption import preempt
 from labkit.sim import TraceRequest, simulate
 from labkit.sim.cost_model import BatchShape
 from labkit.sim.disagg import (SLO, colocated, disaggregated, max_goodput, rate_at_attainment, serve,
@@ -109,7 +110,7 @@ def test_transferred_kv_is_admitted_as_computed_and_dropped_on_preemption():
     assert seq.block_table.num_tokens == 11 and alloc.num_used_blocks == 3
     assert seq.num_external_tokens == 0 and sched.num_cached_prompt_tokens == 0
     sched.update(plan, [[5]], 0.0)
-    sched._preempt(sched.running.pop())       # memory pressure: the transferred KV goes too
+    preempt(sched, sched.running.pop())       # memory pressure: the transferred KV goes too
     plan = sched.schedule()
     assert plan.scheduled[0].num_new_tokens == 12 and plan.scheduled[0].is_prefill   # recompute all
     bad = Request("x", [1, 2], SamplingParams(max_tokens=2))

@@ -722,6 +722,18 @@ def test_a_loop_is_interrupted_and_a_kernel_deaf_to_interrupts_ends_its_run(tmp_
     assert [(c.index, c.error is None, c.timed_out) for c in run.cells.values()] == [
         (0, True, False), (1, False, True), (2, True, False), (3, False, True)]      # z = 3 never ran
     assert run.stopped_at == 3 and "did not stop when interrupted" in run.stopped
+    # ... and the deaf kernel is gone when the run ends: left spinning, it would take CPU from
+    # every notebook graded after it (its command line names this test's folder).
+    import time
+
+    import psutil
+
+    def left() -> list[int]:
+        return [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or ())]
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left(), "the kernel (or its sandbox) outlived its run"
 
 
 # ---- the fixture class, graded by make grade -----------------------------------------------------------

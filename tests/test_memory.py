@@ -170,11 +170,11 @@ def test_a_hash_collision_never_shares_kv(monkeypatch):
     b.append_tokens([5, 6, 7, 8, 9])
     assert not set(a.block_ids) & set(b.block_ids)
     assert allocator.num_cache_hits == 0 and allocator.num_cache_queries == 1
-    # The allocator refuses directly, too: same hash and parent, different tokens.
-    assert allocator.lookup(42, ROOT_HASH, (5, 6, 7, 8)) is None
-    assert allocator.lookup(42, ROOT_HASH, (1, 2, 3, 4)) == a.block_ids[0]
+    # The hash policy refuses directly, too: same hash and parent, different tokens.
+    assert allocator.prefix_cache.lookup(42, ROOT_HASH, (5, 6, 7, 8)) is None
+    assert allocator.prefix_cache.lookup(42, ROOT_HASH, (1, 2, 3, 4)) == a.block_ids[0]
     # ... and a different parent hash (another prefix) with the same tokens.
-    assert allocator.peek(42, 7, (1, 2, 3, 4)) is None
+    assert allocator.prefix_cache.peek(42, 7, (1, 2, 3, 4)) is None
     allocator.check_invariants()
 
 

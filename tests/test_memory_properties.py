@@ -132,7 +132,7 @@ class MemoryMachine(RuleBasedStateMachine):
         for start in range(0, limit - self.bs + 1, self.bs):
             chunk = tuple(prompt[start:start + self.bs])
             h = hash_block(parent, chunk)
-            block = self.allocator.peek(h, parent, chunk)
+            block = self.allocator.prefix_cache.peek(h, parent, chunk)
             if block is None:
                 break
             hits.append(block)

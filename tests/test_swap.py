@@ -418,8 +418,8 @@ def test_a_beam_swapped_in_may_compute_nothing_but_comes_back_with_its_siblings(
         engine.step()
     beams = list(req.live_beams)                 # each owes the token it just took
     assert [b.num_uncomputed_tokens for b in beams] == [1, 1, 1]
-    assert sched._swap_in_plan(beams, 2) == [1, 1, 0]
-    assert sched._swap_in_plan(beams, 3) == [1, 1, 1]
+    assert sched.swapper.plan_swap_in(beams, 2) == [1, 1, 0]
+    assert sched.swapper.plan_swap_in(beams, 3) == [1, 1, 1]
 
 
 @pytest.mark.parametrize("when", ["swapped_in", "swapped_out"])

@@ -178,11 +178,11 @@ class PagedBlockManager:
 
     @property
     def free_blocks(self) -> list[int]:
-        return list(self.allocator._free)
+        return list(self.allocator.free_block_ids)
 
     @property
     def ref_count(self) -> list[int]:
-        return list(self.allocator._ref_counts)
+        return list(self.allocator.ref_counts)
 
     def allocate_block(self) -> int | None:
         try:
@@ -233,14 +233,15 @@ paged = types.SimpleNamespace(name="paged", BlockManager=PagedBlockManager, Sche
 
 # ---- one flaw at a time (the graders' mutants) -------------------------------------------------
 class _FrontPopManager(PagedBlockManager):
-    """Flaw 2 only: labkit's allocator, but every allocation first shifts the whole free
-    list, as ``list.pop(0)`` does, and puts it back as it was: the cost of the naive free
-    list without its first-in-first-out order, so only a test of the cost catches it."""
+    """Flaw 2 only: labkit's allocator, but every allocation first shifts a list as long as
+    the pool, as ``list.pop(0)`` on the naive free list does, and puts it back as it was: the
+    cost of the naive free list without its first-in-first-out order, so only a test of the
+    cost catches it."""
 
     def allocate_block(self) -> int | None:
-        free = self.allocator._free
-        if free:
-            free.insert(0, free.pop(0))         # flaw 2: O(n) on every allocation, order kept
+        if not hasattr(self, "shifted"):
+            self.shifted = list(range(self.allocator.num_blocks))     # as long as the pool
+        self.shifted.insert(0, self.shifted.pop(0))   # flaw 2: O(pool) on every allocation, order kept
         try:
             return self.allocator.allocate()
         except NoFreeBlocksError:

@@ -26,6 +26,7 @@ from pathlib import Path
 import nbformat
 import zmq
 from jupyter_client.manager import AsyncKernelManager
+from jupyter_core.utils import run_sync
 from nbclient import NotebookClient
 from nbclient.exceptions import DeadKernelError
 
@@ -191,10 +192,23 @@ def run_cells(cells: list[Cell], box: Sandbox, workdir: Path, timeout: float, *,
                                                    "did not stop when interrupted"), k
                     break
     finally:
+        _end_kernel(client, km)
         if watch is not None:
             guard.forget(watch)
             run.peak_mb = watch.peak_mb
     return run
+
+
+def _end_kernel(client: NotebookClient, km: SandboxedKernelManager) -> None:
+    """Kill the run's kernel and its sandbox now. nbclient leaves running a kernel that it did
+    not start itself, and one deaf to interrupts would spin on, taking CPU from every notebook
+    graded after it. The client's channels stop first: the manager's cleanup closes the ZMQ
+    context their threads still read from."""
+    if client.kc is not None:
+        client.kc.stop_channels()
+        client.kc = None
+    if km.has_kernel:
+        run_sync(km.shutdown_kernel)(now=True)
 
 
 def _responsive(client: NotebookClient, index: int, replies: dict[int, dict], grace: float,

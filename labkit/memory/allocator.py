@@ -93,6 +93,12 @@ class BlockAllocator:
         return self._ref_counts
 
     @property
+    def free_block_ids(self) -> tuple[int, ...]:
+        """The truly free blocks, in stack order (the last is handed out next): a copy, for
+        widgets, exercises and tests (cached-free blocks are the policy's, not listed here)."""
+        return tuple(self._free)
+
+    @property
     def radix(self) -> RadixTree | None:
         """The radix tree, when the policy is ``"radix"`` (None otherwise)."""
         return self._cache if isinstance(self._cache, RadixTree) else None
@@ -228,29 +234,6 @@ class BlockAllocator:
         """Count prefix-cache lookups of full blocks, and how many hit (``prefix_cache_hit_rate``)."""
         self.num_cache_queries += num_queries
         self.num_cache_hits += num_hits
-
-    # The hash policy's own operations, by block hash (``HashPrefixCache.lookup``, ``peek``,
-    # ``register``), reachable here too; under another policy they raise ``TypeError``.
-    def lookup(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """``HashPrefixCache.lookup``: a hit makes the caller a holder. None when caching is off."""
-        return None if self._cache is None else self._hash_cache("lookup").lookup(block_hash, parent_hash, token_ids)
-
-    def peek(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """``HashPrefixCache.peek``: a lookup that changes nothing. None when caching is off."""
-        return None if self._cache is None else self._hash_cache("peek").peek(block_hash, parent_hash, token_ids)
-
-    def register(self, block_id: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> bool:
-        """``HashPrefixCache.register``: file a held, full block under its hash. False when
-        caching is off."""
-        return self._cache is not None and self._hash_cache("register").register(
-            block_id, block_hash, parent_hash, token_ids)
-
-    def _hash_cache(self, what: str) -> HashPrefixCache:
-        if not isinstance(self._cache, HashPrefixCache):
-            raise TypeError(f"{what}() files blocks by hash: it needs enable_prefix_caching='hash', "
-                            f"this allocator has {self.enable_prefix_caching!r} (block tables work "
-                            "with every policy: reuse_cached_prefix, cache_computed_blocks)")
-        return self._cache
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free prefix (they become plain free). Returns how many."""

@@ -22,11 +22,12 @@ admitted sequence is *preempted*, in one of two ways (``preemption_mode``, as vL
 Either way the sequence loses nothing; it pays the recompute, or the copies.
 
 The scheduler's parts: ``StepPlan`` (``plan.py``) carries one iteration's decisions from
-phase to phase; ``Swapper`` owns the host side; ``BeamGroups`` (``beams.py``) keeps a
-beam-search request's beams together (planned, preempted, swapped and admitted all or
-none) and applies each beam step; ``StaticScheduler`` (``static.py``) is the
-static-batching baseline, the same scheduler with its policy hooks (``admit``,
-``_release``, ``_batch_may_grow``, ``tokens_to_hold``, ``fork_children``) changed.
+phase to phase; ``preemption.py`` takes sequences out of the batch when blocks run
+short; ``Swapper`` owns the host side; ``BeamGroups`` (``beams.py``) keeps a beam-search
+request's beams together (planned, preempted, swapped and admitted all or none) and
+applies each beam step; ``StaticScheduler`` (``static.py``) is the static-batching
+baseline, the same scheduler with its policy hooks (``admit``, ``_release``,
+``_batch_may_grow``, ``tokens_to_hold``, ``fork_children``) changed.
 
 A sequence ends in one place, ``finish_sequence``, whatever ends it: a stop token or
 string, its length, an abort, or, for a beam, being pruned by the beam step (finish
@@ -46,6 +47,7 @@ from .beams import BeamGroups
 from .checks import check_config, check_fork, check_request
 from .outputs import StopStringCheck, apply_samples, make_children
 from .plan import StepPlan, growth
+from .preemption import preempt_newest
 from .records import SchedulerOutput, StepRecord, step_record
 from .swapper import Swapper
 
@@ -186,7 +188,7 @@ class Scheduler:
         Returns False when that was the group itself."""
         growths = [growth(seq, n) for seq, n in zip(group, counts, strict=True)]
         while (done := self.blocks.allocate_slots(growths)) is None:
-            self.preempt_newest(first, plan)
+            preempt_newest(self, first, plan)
             if group[0].status is not Status.RUNNING:
                 return False
         plan.copies += done.copies
@@ -269,38 +271,6 @@ class Scheduler:
         """Whether new requests may join now (policy hook: continuous batching says always)."""
         return True
 
-    # ---- preemption ----------------------------------------------------------------
-    def preempt_newest(self, first: int, plan: StepPlan) -> None:
-        """Preempt the newest running sequence. A beam takes its sibling beams with it (those
-        at index >= ``first``, not yet planned in this iteration): beams can only step
-        together, so a beam left running alone would hold blocks and wait."""
-        victim = self.running.pop()
-        group = [victim]
-        if victim.request.beam is not None:
-            group += [s for s in self.running[first:] if s.request is victim.request]
-            for s in group[1:]:
-                self.running.remove(s)
-        for s in group:
-            self._preempt(s, plan)
-            plan.preempted.append(s)
-
-    def _preempt(self, seq: Sequence, plan: StepPlan | None = None) -> None:
-        """Take ``seq`` out of the running batch, keeping every token. In "swap" mode its KV
-        goes to host blocks (``Swapper.swap_out``: only within a step, whose plan carries the
-        copies). Otherwise, or when it cannot be swapped (counted in ``num_swap_fallbacks``),
-        its KV is dropped and it goes to the head of the waiting queue, to be prefilled again."""
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        if self.preemption_mode == "swap":
-            if plan is not None and self.swapper.swap_out(seq, plan):
-                return
-            self.swapper.num_fallbacks += 1
-        seq.block_table.free()
-        seq.block_table = None
-        seq.num_computed_tokens = 0
-        seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
-
     # ---- after the executor ------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: list[list[int]], now: float,
                stop_string: StopStringCheck | None = None,
@@ -366,10 +336,6 @@ class Scheduler:
     def swap_stats(self) -> dict:
         """The swapping counters, for ``LLM.stats()`` and the simulator's metrics."""
         return self.swapper.stats()
-
-    def _swap_in_plan(self, group: list[Sequence], budget: int) -> list[int] | None:
-        """``Swapper.plan_swap_in`` (tests read it here)."""
-        return self.swapper.plan_swap_in(group, budget)
 
     def sequences_holding_blocks(self) -> list[Sequence]:
         """Every sequence that holds KV blocks now, in admission order (the widgets draw them)."""

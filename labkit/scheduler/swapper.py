@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from ..memory import BlockAllocator
 from ..request import Sequence, Status
-from ..utils import cdiv
 from .plan import StepPlan, growth
 
 if TYPE_CHECKING:   # the scheduler owns its swapper; the import is for type hints only
@@ -119,6 +118,7 @@ class Swapper:
                 return
             growths = [growth(seq, n) for seq, n in zip(group, counts, strict=True)]
             done = sched.blocks.allocate_slots(growths, sched.admission_reserve())
+            assert done is not None, "plan_swap_in said the group fits"
             for seq, g in zip(group, growths, strict=True):
                 self.swapped.remove(seq)
                 seq.block_table = g.table
@@ -152,19 +152,10 @@ class Swapper:
                 return None
             budget -= n
             counts.append(n)
-        # Swap-in's own count: each table whose partly filled last block is shared pays a copy
-        # (BlockManager.blocks_needed counts exactly, one less where every holder writes).
-        bs, holders = sched.block_size, {}
-        for seq in group:
-            for b in seq.block_table.block_ids:
-                holders[b] = holders.get(b, 0) + 1
-        need = len(holders)
-        for seq, n in zip(group, counts, strict=True):
-            table, computed = seq.block_table, seq.num_computed_tokens
-            need += cdiv(computed + n, bs) - len(table.block_ids)
-            if computed % bs and holders[table.block_ids[-1]] > 1:
-                need += 1
-        return counts if need <= sched.allocator.num_free_blocks - sched.admission_reserve() else None
+        # The block manager counts, as for every other growth: the host blocks (each copied
+        # once), the new blocks, and copy-on-write of a shared partly filled last block.
+        growths = [growth(seq, n) for seq, n in zip(group, counts, strict=True)]
+        return counts if sched.blocks.can_allocate(growths, sched.admission_reserve()) else None
 
     # ---- numbers ---------------------------------------------------------------------
     def stats(self) -> dict:

@@ -82,7 +82,7 @@ class Recording:
         return block_figure_dict(self.snapshots[i], selected, columns=self.columns,
                                  color=self.colors, logical_blocks=logical_blocks)
 
-    def _logical_room(self, selections: list[str | None]) -> int:
+    def logical_room(self, selections: list[str | None]) -> int:
         return max((len(s["tables"][label]["block_ids"]) for s, label in zip(self.snapshots, selections)
                     if label in s["tables"]), default=1)
 
@@ -98,7 +98,7 @@ class Recording:
         go = _deps.go()
         picks = _evenly(len(self.snapshots), max_frames)
         selections = self.selections(follow)
-        room = self._logical_room(selections)
+        room = self.logical_room(selections)
         dicts = [self.frame_dict(i, selections[i], room) for i in picks]
         frames, steps = [], []
         for i, d in zip(picks, dicts):

@@ -26,7 +26,7 @@ class ReplayWidget(_deps.widgets().VBox):
             raise ValueError("the recording is empty: step the engine (or capture) first")
         self.recording = recording
         self._selections = recording.selections(follow)
-        self._room = recording._logical_room(self._selections)
+        self._room = recording.logical_room(self._selections)
         last = len(recording) - 1
         self.slider = W.IntSlider(value=0, min=0, max=last, description="iteration",
                                   continuous_update=True, layout=W.Layout(width="460px"))

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from .beam_search import num_candidates
 from .detokenizer import IncrementalDetokenizer
+from .errors import InvalidParameter, LimitExceeded, RequestError
 from .request import Request, Sequence, Status
 from .sampling_params import BeamSearchParams, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput, StepRecord, held_slot_fill, kv_cache_usage
@@ -98,24 +99,26 @@ class Engine:
         """Queue a request; it joins the batch at the next iteration with room for it.
         ``BeamSearchParams`` make it a beam-search request (its beams are its sequences).
         ``cache_salt``: its prefix-cache namespace (vLLM's; ``Request``).
-        Raises ``ValueError`` (changing nothing) if it can never be served: bad sampling
-        parameters, a grammar that does not compile, token ids outside the vocabulary, a
-        prompt too long for the model or the KV cache."""
+        Raises a ``RequestError`` (a ``ValueError``, ``labkit/errors.py``; changing nothing)
+        if it can never be served: bad sampling parameters, a grammar that does not compile,
+        token ids outside the vocabulary, a prompt too long for the model or the KV cache."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"expected SamplingParams or BeamSearchParams, got {type(params).__name__}")
         params.validate()
         vocab = self.executor.vocab_size
         if isinstance(params, BeamSearchParams) and num_candidates(params, self.scheduler.eos_token_ids) > vocab:
-            raise ValueError(f"request {request_id!r}: beam_width={params.beam_width} needs "
-                             f"{num_candidates(params, self.scheduler.eos_token_ids)} candidate tokens per beam "
-                             f"(max(2, 1 + EOS ids) x beam_width), more than the vocabulary's {vocab}")
+            raise LimitExceeded(f"request {request_id!r}: beam_width={params.beam_width} needs "
+                                f"{num_candidates(params, self.scheduler.eos_token_ids)} candidate tokens per "
+                                f"beam (max(2, 1 + EOS ids) x beam_width), more than the vocabulary's {vocab}",
+                                "beam_width")
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"request {request_id!r}: token ids out of range [0, {vocab}): {bad[:5]}")
+            raise InvalidParameter(f"request {request_id!r}: token ids out of range [0, {vocab}): {bad[:5]}",
+                                   "prompt")
         if isinstance(params, SamplingParams) and params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"SamplingParams.logit_bias: token {max(params.logit_bias)} is outside the "
-                             f"vocabulary [0, {vocab})")
+            raise InvalidParameter(f"SamplingParams.logit_bias: token {max(params.logit_bias)} is outside the "
+                                   f"vocabulary [0, {vocab})", "logit_bias")
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             _check_grammar(self.executor, params)
         if request_id is None:
@@ -328,8 +331,9 @@ def _check_grammar(executor: Executor, params: SamplingParams) -> None:
     grammar that cannot serve is refused at ``add_request``: ``ValueError``."""
     grammars = getattr(executor, "grammars", None)
     if grammars is None:
-        raise ValueError(f"SamplingParams.structured_outputs: {type(executor).__name__} cannot constrain "
-                         "its tokens (the simulator samples dummy tokens): serve a model")
+        raise RequestError(f"SamplingParams.structured_outputs: {type(executor).__name__} cannot constrain "
+                           "its tokens (the simulator samples dummy tokens): serve a model",
+                           "structured_outputs", "unsupported_parameter")
     grammars.check(params.structured_outputs)
 
 

@@ -18,6 +18,7 @@ import enum
 import itertools
 import numbers
 
+from .errors import InvalidParameter
 from .memory import BlockTable
 from .sampling_params import BeamSearchParams, SamplingParams
 
@@ -173,7 +174,7 @@ def is_token_id(t) -> bool:
 def check_cache_salt(salt) -> None:
     """A cache salt is None or a non-empty string (vLLM's rule); else ``ValueError``."""
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt must be a non-empty string or None, got {salt!r}")
+        raise InvalidParameter(f"cache_salt must be a non-empty string or None, got {salt!r}", "cache_salt")
 
 
 def split_prompt(prompt) -> tuple[str | list[int], str | None]:
@@ -185,15 +186,16 @@ def split_prompt(prompt) -> tuple[str | list[int], str | None]:
         return prompt, None
     unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
     if unknown:
-        raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids' and an optional 'cache_salt'; "
-                         f"labkit does not support {unknown}")
+        raise InvalidParameter(f"a prompt dict takes 'prompt' or 'prompt_token_ids' and an optional 'cache_salt'; "
+                               f"labkit does not support {unknown}", "prompt")
     if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'")
+        raise InvalidParameter("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'", "prompt")
     salt = prompt.get("cache_salt")
     check_cache_salt(salt)
     if "prompt" in prompt:
         if not isinstance(prompt["prompt"], str):
-            raise ValueError(f"'prompt' in a prompt dict must be a string, got {type(prompt['prompt']).__name__}")
+            raise InvalidParameter(f"'prompt' in a prompt dict must be a string, got "
+                                   f"{type(prompt['prompt']).__name__}", "prompt")
         return prompt["prompt"], salt
     return prompt["prompt_token_ids"], salt
 
@@ -209,5 +211,6 @@ def encode_prompt(prompt, tokenizer) -> tuple[str | None, list[int]]:
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):
         return None, [int(t) for t in prompt]
-    raise ValueError("a prompt must be a string or a list of token ids (integers), got "
-                     f"{type(prompt).__name__}" + (f" {prompt[:5]!r}" if isinstance(prompt, (list, tuple)) else ""))
+    shown = f" {prompt[:5]!r}" if isinstance(prompt, (list, tuple)) else ""
+    raise InvalidParameter("a prompt must be a string or a list of token ids (integers), got "
+                           f"{type(prompt).__name__}{shown}", "prompt")

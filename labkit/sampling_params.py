@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .errors import InvalidParameter
 from .structured.params import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5   # temperatures below this are greedy (argmax), as in vLLM
@@ -22,14 +23,15 @@ def _is_number(x) -> bool:
 
 def validate_distribution(temperature: float, top_p: float = 1.0, top_k: int = 0,
                           owner: str = "SamplingParams") -> None:
-    """Raise ``ValueError`` (naming ``owner.field``) for settings that define no distribution.
+    """Raise ``InvalidParameter`` (naming ``owner.field``) for settings that define no distribution.
     ``SamplingParams`` and the sampler's ``SamplingRow`` both check with this."""
     if not (_is_number(temperature) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"{owner}.temperature={temperature!r}: must be a finite number >= 0 (0 means greedy)")
+        raise InvalidParameter(f"{owner}.temperature={temperature!r}: must be a finite number >= 0 (0 means greedy)",
+                               "temperature")
     if not (_is_number(top_p) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"{owner}.top_p={top_p!r}: must be in (0, 1]")
+        raise InvalidParameter(f"{owner}.top_p={top_p!r}: must be in (0, 1]", "top_p")
     if not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= -1):
-        raise ValueError(f"{owner}.top_k={top_k!r}: must be an integer >= 0 (0 or -1 disables it)")
+        raise InvalidParameter(f"{owner}.top_k={top_k!r}: must be an integer >= 0 (0 or -1 disables it)", "top_k")
 
 
 @dataclass(slots=True)
@@ -95,9 +97,9 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
+        """Raise ``InvalidParameter`` (a ``ValueError``) naming the first bad field."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+            raise InvalidParameter(f"SamplingParams.{name}={getattr(self, name)!r}: {why}", name)
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
@@ -183,9 +185,9 @@ class BeamSearchParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
+        """Raise ``InvalidParameter`` (a ``ValueError``) naming the first bad field."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"BeamSearchParams.{name}={getattr(self, name)!r}: {why}")
+            raise InvalidParameter(f"BeamSearchParams.{name}={getattr(self, name)!r}: {why}", name)
 
         if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) \
                 or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:

@@ -3,8 +3,9 @@ sequence after each new token.
 
 ``Scheduler.add_request`` calls ``check_request`` first: a request that no amount of
 waiting would let run (a prompt longer than the model, more KV than the whole cache, beams
-that could never step together) gets a ``ValueError`` naming the limit, and changes
-nothing; the engine keeps serving the others. Everything else is admitted eventually.
+that could never step together) gets a ``RequestError`` (a ``ValueError``, ``labkit/errors.py``)
+naming the limit and the field at fault, and changes nothing; the engine keeps serving
+the others. Everything else is admitted eventually.
 ``stop_reason`` says whether a sequence is done after the token it just gained (stop
 strings are the engine's: they need the text).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..beam_search import num_candidates
+from ..errors import ContextLengthExceeded, DuplicateRequestId, InvalidParameter, LimitExceeded
 from ..request import Request, Sequence, Status
 from ..sampling_params import MAX_LOGPROBS
 from ..utils import cdiv
@@ -41,32 +43,34 @@ def check_config(max_num_seqs: int, max_num_batched_tokens: int, watermark: floa
 
 
 def check_request(sched: Scheduler, request: Request) -> None:
-    """Raise ``ValueError`` if ``sched`` can never serve ``request``."""
+    """Raise a ``RequestError`` if ``sched`` can never serve ``request``."""
     rid = request.request_id
     if rid in sched.requests:
-        raise ValueError(f"request id {rid!r} is already in use")
+        raise DuplicateRequestId(f"request id {rid!r} is already in use")
     if request.params.n > sched.max_num_seqs:
-        raise ValueError(f"request {rid!r}: n={request.params.n} samples exceed max_num_seqs={sched.max_num_seqs}")
+        raise LimitExceeded(f"request {rid!r}: n={request.params.n} samples exceed max_num_seqs={sched.max_num_seqs}",
+                            "n")
     num_prompt = len(request.prompt_token_ids)
     if num_prompt == 0:
-        raise ValueError(f"request {rid!r}: the prompt is empty")
+        raise InvalidParameter(f"request {rid!r}: the prompt is empty", "prompt")
     if any(not 0 <= s.num_external_tokens < len(s.token_ids) for s in request.seqs):
-        raise ValueError(f"request {rid!r}: KV arriving from elsewhere must leave at least one token to compute")
+        raise InvalidParameter(f"request {rid!r}: KV arriving from elsewhere must leave at least one token to "
+                               "compute", "prompt")
     if sched.max_model_len is not None and num_prompt >= sched.max_model_len:
-        raise ValueError(
+        raise ContextLengthExceeded(
             f"request {rid!r}: prompt of {num_prompt} tokens is too long: the model "
             f"allows {sched.max_model_len} tokens in all (prompt + at least one new token)")
     longest = sched.max_len(request)
     if not sched.enable_chunked_prefill and longest > sched.max_num_batched_tokens:
         # A preempted sequence is recomputed whole, prompt and output: in one iteration.
-        raise ValueError(
+        raise ContextLengthExceeded(
             f"request {rid!r}: prompt + max_tokens = {longest} tokens exceeds "
             f"max_num_batched_tokens={sched.max_num_batched_tokens} and chunked prefill is off: "
             "once preempted, it could never be recomputed")
     capacity, need = sched.allocator.num_blocks * sched.block_size, sched.tokens_to_hold(request, longest)
     if need > capacity:
-        raise ValueError(f"request {rid!r}: needs room for {need} tokens but the whole KV cache holds "
-                         f"{capacity} ({sched.allocator.num_blocks} blocks x {sched.block_size})")
+        raise ContextLengthExceeded(f"request {rid!r}: needs room for {need} tokens but the whole KV cache "
+                                    f"holds {capacity} ({sched.allocator.num_blocks} blocks x {sched.block_size})")
     if request.beam is not None:
         check_beams(sched, request, longest)
 
@@ -78,27 +82,29 @@ def check_beams(sched: Scheduler, request: Request, longest: int) -> None:
     rid, k = request.request_id, request.beam.beam_width
     wanted = num_candidates(request.beam, sched.eos_token_ids)
     if wanted > MAX_LOGPROBS:
-        raise ValueError(
+        raise LimitExceeded(
             f"request {rid!r}: beam_width={k} with {len(sched.eos_token_ids)} EOS ids needs the "
             f"{wanted} best tokens of each beam (max(2, 1 + EOS ids) x beam_width), more than the "
-            f"{MAX_LOGPROBS} log-probabilities reported per token: lower beam_width or set ignore_eos")
+            f"{MAX_LOGPROBS} log-probabilities reported per token: lower beam_width or set ignore_eos",
+            "beam_width")
     if k > sched.max_num_seqs:
-        raise ValueError(f"request {rid!r}: beam_width={k} beams exceed max_num_seqs={sched.max_num_seqs} "
-                         "(the beams of a request run in the same batch)")
+        raise LimitExceeded(f"request {rid!r}: beam_width={k} beams exceed max_num_seqs={sched.max_num_seqs} "
+                            "(the beams of a request run in the same batch)", "beam_width")
     if k > sched.max_num_batched_tokens:
-        raise ValueError(f"request {rid!r}: beam_width={k} beams exceed max_num_batched_tokens="
-                         f"{sched.max_num_batched_tokens}: they could never decode in one iteration")
+        raise LimitExceeded(f"request {rid!r}: beam_width={k} beams exceed max_num_batched_tokens="
+                            f"{sched.max_num_batched_tokens}: they could never decode in one iteration",
+                            "beam_width")
     if not sched.enable_chunked_prefill and k * longest > sched.max_num_batched_tokens:
-        raise ValueError(
+        raise LimitExceeded(
             f"request {rid!r}: beam_width x (prompt + max_tokens) = {k} x {longest} tokens exceeds "
             f"max_num_batched_tokens={sched.max_num_batched_tokens} and chunked prefill is off: once "
-            "preempted, its beams could never be recomputed together")
+            "preempted, its beams could never be recomputed together", "beam_width")
     num_blocks = sched.allocator.num_blocks
     blocks = k * cdiv(sched.tokens_to_hold(request, longest), sched.block_size)
     if blocks > num_blocks:
-        raise ValueError(
+        raise LimitExceeded(
             f"request {rid!r}: beam_width={k} beams of up to {longest} tokens may need {blocks} blocks "
-            f"(each its own copy after a preemption), but the KV cache has {num_blocks}")
+            f"(each its own copy after a preemption), but the KV cache has {num_blocks}", "beam_width")
 
 
 def check_fork(sched: Scheduler, parent: Sequence) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from typing import Iterable
 
+from ..errors import LimitExceeded
 from ..memory import BlockAllocator, BlockTable, Growth
 from ..request import Request, Sequence
 from ..utils import cdiv
@@ -55,7 +56,7 @@ class StaticScheduler(Scheduler):
 
     def check_request(self, request: Request) -> None:
         if request.params.n != 1:
-            raise ValueError(f"request {request.request_id!r}: the static baseline serves n=1 only")
+            raise LimitExceeded(f"request {request.request_id!r}: the static baseline serves n=1 only", "n")
         super().check_request(request)
 
     def tokens_to_hold(self, request: Request, longest: int) -> int:

@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from ..errors import DuplicateRequestId, InvalidParameter
 from ..outputs import RequestOutput, request_output
 from ..request import Request, check_cache_salt, encode_prompt, is_token_id, split_prompt
 from ..sampling_params import SamplingParams
@@ -240,7 +241,7 @@ class AsyncEngine:
             try:
                 return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # noqa: BLE001 - a template raises what it likes
-                raise ValueError(f"the chat template rejected the messages: {e}") from None
+                raise InvalidParameter(f"the chat template rejected the messages: {e}", "messages") from None
         return await self._on_tokenizer_thread(render)
 
     async def compile_grammar(self, spec, timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S) -> None:
@@ -317,7 +318,7 @@ class AsyncEngine:
                 request_id = f"req-{next(self._ids)}"
             if request_id in self._streams:
                 self.counters["rejected_invalid"] += 1
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise DuplicateRequestId(f"request id {request_id!r} is already in use")
             stream = RequestStream(self, request_id, loop)
             self._streams[request_id] = stream
             self._unscheduled.add(request_id)

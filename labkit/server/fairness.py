@@ -32,6 +32,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..errors import LimitExceeded
+
 
 @dataclass(slots=True)
 class ClientUsage:
@@ -119,13 +121,13 @@ class AdmissionGate:
     async def acquire(self, client: str, cost: int) -> Ticket:
         """Places for a request of ``cost`` sequences: at once if the engine has room and
         nobody waits, else after this client's turn comes. Raises ``OverCapError`` at once
-        when the client would exceed its cap, ``ValueError`` if the request alone exceeds
+        when the client would exceed its cap, ``LimitExceeded`` if the request alone exceeds
         it. Cancelling the wait withdraws the request."""
         u = self.usage(client)
         if self.cap is not None:
             if cost > self.cap:
-                raise ValueError(f"this request asks for {cost} sequences (prompts x n) but each "
-                                 f"client may have at most {self.cap} running or waiting; split it")
+                raise LimitExceeded(f"this request asks for {cost} sequences (prompts x n) but each "
+                                    f"client may have at most {self.cap} running or waiting; split it", None)
             if u.concurrency + cost > self.cap:
                 raise self._over_cap(client)
         ticket = Ticket(client, cost)

@@ -251,14 +251,13 @@ def _sampling_params(body: dict, max_tokens_field: str = "max_tokens",
     try:
         params = SamplingParams(**options)
     except ValueError as e:
-        m = re.search(r"SamplingParams\.(\w+)=", str(e))
-        param = m.group(1) if m else None
+        param = getattr(e, "param", None)      # InvalidParameter names its SamplingParams field
         param = (renames or {}).get(param, param)
         if param == "structured_outputs":
             param = structured_field
         if param == "max_tokens" and max_tokens_field != "max_tokens" and body.get(max_tokens_field) is not None:
             param = max_tokens_field
-        raise bad_request(str(e).replace("SamplingParams.", ""), param=param) from None
+        raise bad_request(str(e).replace("SamplingParams.", ""), param=param, code=getattr(e, "code", None)) from None
     return params, fill_context
 
 

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from labkit.utils import cdiv
 
+from .kv_quant import as_bytes, check_kv_scales, dequantize, is_quantized
+
 try:
     import triton
     import triton.language as tl
@@ -116,8 +118,12 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
                          "must have the same shape and strides")
     if k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
         raise ValueError("k_cache and v_cache must share dtype and device")
-    if not k_cache.dtype.is_floating_point:
-        raise ValueError(f"the KV cache must be a floating-point tensor, got {k_cache.dtype}")
+    if not (k_cache.dtype.is_floating_point or is_quantized(k_cache.dtype)):
+        raise ValueError(f"the KV cache must be a floating-point tensor (or int8, quantized: kv_quant.py), "
+                         f"got {k_cache.dtype}")
+    if k_cache.dtype.itemsize == 1 and not is_quantized(k_cache.dtype):
+        raise ValueError(f"an 8-bit float KV cache is e4m3 (torch.float8_e4m3fn, kv_cache_dtype 'fp8'), "
+                         f"not {k_cache.dtype}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -129,8 +135,12 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           query_start_loc: torch.Tensor | None = None) -> int:
+                           query_start_loc: torch.Tensor | None = None,
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> int:
     """Validate a paged attention call before anything reads memory; returns the GQA group.
+
+    A quantized cache (int8, fp8) comes with its ``k_scales`` and ``v_scales``
+    (``kv_quant.check_kv_scales``); any other with neither.
 
     Decode (``query_start_loc`` None): one query row per sequence. Prefill: rows of sequence
     ``i`` at ``query_start_loc[i]:query_start_loc[i + 1]``.
@@ -144,6 +154,7 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     silent read of someone else's memory there, so every entry point calls this once.
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_kv_scales(k_cache, k_scales, v_scales)
     if q.dim() != 3 or q.shape[2] != head_dim:
         raise ValueError(f"q must be [tokens, num_heads, {head_dim}], got {tuple(q.shape)}")
     if not q.dtype.is_floating_point:
@@ -406,6 +417,9 @@ def gather_paged_kv(cache: torch.Tensor, block_tables: torch.Tensor,
     blocks (much faster than indexing the 4-d tensor). ``out``, if given, is a contiguous
     buffer of at least the result's size and the cache's dtype; the result is a view of it.
     """
+    if cache.dtype != as_bytes(cache).dtype:    # fp8: gather its bytes (torch has no fp8 index_select)
+        return gather_paged_kv(as_bytes(cache), block_tables, context_lens, max_len,
+                               None if out is None else as_bytes(out)).view(cache.dtype)
     num_blocks, block_size, kv_heads, head_dim = cache.shape
     num_seqs = block_tables.shape[0]
     blocks = cdiv(max_len, block_size)
@@ -484,15 +498,31 @@ def _cpu_workspace(like: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.
     return buffers[key]
 
 
+def gather_paged_kv_dequantized(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor,
+                                context_lens: torch.Tensor, max_len: int, dtype: torch.dtype,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gather_paged_kv`, then in ``dtype``: for a quantized cache (``scales`` given,
+    [num_blocks, block_size, kv_heads]) the gathered numbers times their scales, gathered
+    the same way (padding rows get scale 0: zeros still)."""
+    dense = gather_paged_kv(cache, block_tables, context_lens, max_len, out)
+    if scales is None:
+        return dense.to(dtype)
+    dense_scales = gather_paged_kv(scales.unsqueeze(-1), block_tables, context_lens, max_len)[..., 0]
+    return dequantize(dense, dense_scales, dtype)
+
+
 def paged_attention_torch(q: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, block_tables: torch.Tensor,
-                          context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                          context_lens: torch.Tensor, scale: float,
+                          k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The torch references' common core: padded queries against paged K/V.
 
     q [S, L, H, d] (padded per sequence), q_pos [S, L] the absolute position of each query,
     caches [num_blocks, block_size, kv_heads, d], block_tables [S, ...], context_lens [S].
     Returns [S, L, H, d] in q's dtype. Query (s, j) sees tokens 0..q_pos[s, j] of
-    sequence s, which must all be < context_lens[s].
+    sequence s, which must all be < context_lens[s]. A quantized cache (int8, fp8) is read
+    with its scales ``k_scales``, ``v_scales`` [num_blocks, block_size, kv_heads]: each
+    gathered row times its scale (``kv_quant.py``).
 
     Gather + dense attention, vectorized over sequences; on CPU over chunks of sequences
     sized by ``CPU_GATHER_CHUNK_BYTES`` (a loop over a handful of chunks, not sequences).
@@ -514,7 +544,9 @@ def paged_attention_torch(q: torch.Tensor, q_pos: torch.Tensor, k_cache: torch.T
     for first in range(0, num_seqs, chunk):
         seqs = slice(first, first + chunk)
         max_len = max(lens[seqs])
-        k = gather_paged_kv(k_cache, block_tables[seqs], context_lens[seqs], max_len, k_buf).to(dtype)
-        v = gather_paged_kv(v_cache, block_tables[seqs], context_lens[seqs], max_len, v_buf).to(dtype)
+        k = gather_paged_kv_dequantized(k_cache, k_scales, block_tables[seqs], context_lens[seqs], max_len,
+                                        dtype, k_buf)
+        v = gather_paged_kv_dequantized(v_cache, v_scales, block_tables[seqs], context_lens[seqs], max_len,
+                                        dtype, v_buf)
         out[seqs] = dense_gqa_attention(q[seqs].to(dtype), k, v, q_pos[seqs], scale)
     return out.to(q.dtype)

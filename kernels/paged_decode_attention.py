@@ -40,6 +40,11 @@ rounding. ``choose_partition_size`` splits only when the unsplit grid would leav
 multiprocessors idle and a context spans more than one partition (FlashDecoding; vLLM's
 PagedAttention V2 and its Triton decode kernels do the same).
 
+**A quantized cache** (``kv_cache_dtype`` "int8" or "fp8": one byte per number, one fp32
+scale per token and KV head, ``kv_quant.py``) is read tile by tile as it is: the kernel
+loads the bytes and their scales, multiplies, and goes on in q's dtype. The cache's bytes
+are what crosses memory, a quarter of fp32's; the dequantized tile lives in registers only.
+
 ``paged_decode_attention_ref`` is the torch reference with the same signature: gather each
 sequence's blocks into a dense padded tensor, then one masked
 ``scaled_dot_product_attention``. It is the ``"torch"`` backend's decode, and the fallback
@@ -67,12 +72,15 @@ from ._common import (
     tl,
     triton,
 )
+from .kv_quant import is_quantized
 
 
 @triton.jit
-def paged_token_offsets(block_table_row_ptr, tok, tok_mask, stride_cb, stride_co,
+def paged_token_offsets(block_table_row_ptr, tok, tok_mask, stride_cb, stride_co, stride_sb, stride_so,
                         BLOCK_SIZE: tl.constexpr):
-    """Offsets (in elements) of tokens ``tok`` of one sequence inside the paged cache.
+    """Offsets (in elements) of tokens ``tok`` of one sequence inside the paged cache, and
+    inside its scales (a quantized cache's ``[blocks, block_size, kv_heads]``; strides 0
+    otherwise, and nobody reads them).
 
     The one place where paging happens: position -> (block table entry, offset in block).
     Masked-off tokens read no table entry (their garbage is never dereferenced) and get
@@ -81,7 +89,23 @@ def paged_token_offsets(block_table_row_ptr, tok, tok_mask, stride_cb, stride_co
     """
     block_id = tl.load(block_table_row_ptr + tok // BLOCK_SIZE, mask=tok_mask, other=0)
     # int64: block_id * stride_cb overflows int32 once the cache passes 2**31 elements.
-    return block_id.to(tl.int64) * stride_cb + (tok % BLOCK_SIZE) * stride_co
+    block_id = block_id.to(tl.int64)
+    offset = tok % BLOCK_SIZE
+    return block_id * stride_cb + offset * stride_co, block_id * stride_sb + offset * stride_so
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, scales_ptr, kv_ptrs, kv_mask, scale_ptrs, tok_mask, like,
+                 QUANTIZED: tl.constexpr):
+    """A [TILE, d] tile of K or V in the dtype of ``like`` (the queries). A quantized cache's
+    bytes are widened and multiplied by each token's scale here, in registers: the
+    dequantization in the inner loop. Masked tokens load 0 (slots past the length may hold
+    NaN; zeros keep 0 * v clean). The prefill kernel calls this as well."""
+    x = tl.load(cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+    if QUANTIZED:
+        scale = tl.load(scales_ptr + scale_ptrs, mask=tok_mask, other=0.0)
+        x = x.to(tl.float32) * scale[:, None]
+    return x.to(like.dtype)
 
 
 @triton.jit
@@ -119,10 +143,12 @@ def load_query_rows(q_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
 
 
 @triton.jit
-def attend_token_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
-                       start, end, d, d_mask, qk_scale, stride_cb, stride_co, stride_cd,
+def attend_token_range(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_table_row, head_offset,
+                       scale_head_offset, start, end, d, d_mask, qk_scale, stride_cb, stride_co, stride_cd,
+                       stride_sb, stride_so,
                        GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       QUANTIZED: tl.constexpr):
     """The online softmax of the query rows ``q`` over tokens ``start .. end-1`` of one
     sequence (``start`` a multiple of ``TILE``, ``end > start``), tile by tile: returns the
     running (max ``m``, denominator ``l``, unnormalised output ``acc``). The unsplit kernel
@@ -134,12 +160,13 @@ def attend_token_range(q, k_cache_ptr, v_cache_ptr, block_table_row, head_offset
     for tile_start in range(start, end, TILE):
         tok = tile_start + offs_t
         tok_mask = tok < end                # partly filled last block: stop at the length
-        kv = paged_token_offsets(block_table_row, tok, tok_mask, stride_cb, stride_co, BLOCK_SIZE)
+        kv, sc = paged_token_offsets(block_table_row, tok, tok_mask, stride_cb, stride_co, stride_sb, stride_so,
+                                     BLOCK_SIZE)
         kv_ptrs = kv[:, None] + head_offset + d[None, :] * stride_cd
         kv_mask = tok_mask[:, None] & d_mask[None, :]
-        # other=0: slots past the length may hold NaN; zeros keep 0 * v clean.
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        sc_ptrs = sc + scale_head_offset
+        k = load_kv_tile(k_cache_ptr, k_scales_ptr, kv_ptrs, kv_mask, sc_ptrs, tok_mask, q, QUANTIZED)
+        v = load_kv_tile(v_cache_ptr, v_scales_ptr, kv_ptrs, kv_mask, sc_ptrs, tok_mask, q, QUANTIZED)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(tok_mask[None, :], s, float("-inf"))
@@ -157,15 +184,17 @@ _BATCH_STRIDES = ["stride_bt", "stride_ms", "stride_mh", "stride_as", "stride_ah
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, context_lens_ptr,
     qk_scale,                                   # softmax scale * log2(e)
     stride_qs, stride_qh, stride_qd,            # q and out: [num_seqs, num_heads, head_dim]
     stride_os, stride_oh, stride_od,
     stride_cb, stride_co, stride_ch, stride_cd,  # caches: [blocks, block_size, kv_heads, d]
+    stride_sb, stride_so, stride_sh,            # scales (quantized caches): [blocks, block_size, kv_heads]
     stride_bt,                                  # block_tables: [num_seqs, max_blocks]
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -175,9 +204,9 @@ def _paged_decode_kernel(
     q, head, row_mask, d, d_mask = load_query_rows(q_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
                                                    GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD)
     m_i, l_i, acc = attend_token_range(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head * stride_ch,
-        0, ctx_len, d, d_mask, qk_scale, stride_cb, stride_co, stride_cd,
-        GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT_PRECISION)
+        q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr + seq * stride_bt,
+        kv_head * stride_ch, kv_head * stride_sh, 0, ctx_len, d, d_mask, qk_scale, stride_cb, stride_co,
+        stride_cd, stride_sb, stride_so, GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT_PRECISION, QUANTIZED)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + seq * stride_os + head[:, None] * stride_oh + d[None, :] * stride_od,
@@ -186,17 +215,18 @@ def _paged_decode_kernel(
 
 @triton.jit(do_not_specialize=_BATCH_STRIDES)
 def _paged_decode_split_kernel(
-    m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    qk_scale,
+    m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr,
+    context_lens_ptr, qk_scale,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
+    stride_sb, stride_so, stride_sh,
     stride_bt,
     stride_ms, stride_mh, stride_mp,            # m and l: [num_seqs, num_heads, max_partitions]
     stride_as, stride_ah, stride_ap, stride_ad,  # acc: [num_seqs, num_heads, max_partitions, d]
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     """One (sequence, KV head, partition): the online softmax over tokens
     ``[part * PARTITION, (part + 1) * PARTITION)`` only, stored unnormalised. A partition
@@ -210,9 +240,10 @@ def _paged_decode_split_kernel(
         q, head, row_mask, d, d_mask = load_query_rows(q_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
                                                        GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD)
         m_i, l_i, acc = attend_token_range(
-            q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head * stride_ch,
-            start, tl.minimum(start + PARTITION, ctx_len), d, d_mask, qk_scale, stride_cb, stride_co,
-            stride_cd, GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, TILE, DOT_PRECISION)
+            q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr + seq * stride_bt,
+            kv_head * stride_ch, kv_head * stride_sh, start, tl.minimum(start + PARTITION, ctx_len), d, d_mask,
+            qk_scale, stride_cb, stride_co, stride_cd, stride_sb, stride_so, GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE,
+            TILE, DOT_PRECISION, QUANTIZED)
         ml_off = seq * stride_ms + head * stride_mh + part * stride_mp
         tl.store(m_ptr + ml_off, m_i, mask=row_mask)
         tl.store(l_ptr + ml_off, l_i, mask=row_mask)
@@ -286,7 +317,8 @@ def multiprocessor_count(device: torch.device) -> int | None:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, partition_size: int | None = None) -> torch.Tensor:
+                           scale: float, partition_size: int | None = None, *,
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the paged cache (Triton). Returns ``out`` shaped like ``q``.
 
     q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size,
@@ -297,21 +329,41 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``partition_size``: None chooses (:func:`choose_partition_size`; never off a GPU), 0
     never splits, N splits every context into partitions of N tokens (a multiple of the
     kernel's tile, :func:`kernel_tile` of the block size), flash-decoding style.
+    A quantized cache (int8, fp8) needs its ``k_scales``, ``v_scales`` [num_blocks,
+    block_size, num_kv_heads] (``kv_quant.py``); its tiles are dequantized as they are read.
     """
-    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scales=k_scales, v_scales=v_scales)
     check_triton_launch(_paged_decode_kernel, q, k_cache, v_cache, block_tables, context_lens)
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype")
+    check_cache_dtype(q, k_cache)
     out = torch.empty_like(q)
     if q.shape[0]:
-        for launch in plan_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, partition_size):
+        for launch in plan_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale, partition_size,
+                                  k_scales=k_scales, v_scales=v_scales):
             launch()
     return out
 
 
+def check_cache_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """The Triton kernels read a cache of q's own dtype, or a quantized one (int8, fp8)."""
+    if q.dtype != k_cache.dtype and not is_quantized(k_cache.dtype):
+        raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype "
+                         "(or the cache be quantized: int8, fp8)")
+
+
+def scale_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
+               v_scales: torch.Tensor | None) -> tuple[tuple, tuple, bool]:
+    """(scale pointers, their strides, QUANTIZED) for a launch. An unquantized cache has no
+    scales: its kernels never read the scale pointers (QUANTIZED is a compile-time constant),
+    so the caches stand in for them, with strides 0."""
+    if k_scales is None:
+        return (k_cache, v_cache), (0, 0, 0), False
+    return (k_scales, v_scales), tuple(k_scales.stride()), True
+
+
 def plan_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                partition_size: int | None = None, num_sms: int | None = None) -> list[Launch]:
+                partition_size: int | None = None, num_sms: int | None = None, *,
+                k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> list[Launch]:
     """The launches of one decode call (arguments already checked): the unsplit kernel, or
     the split kernel then the reduce, whose partials it allocates here (fp32, on q's device).
     ``num_sms``: the GPU's multiprocessors, for :func:`choose_partition_size` (None: q's device's).
@@ -333,22 +385,24 @@ def plan_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     group = num_heads // num_kv_heads
     shapes = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
                   HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim))
-    tiles = dict(BLOCK_SIZE=block_size, TILE=tile, DOT_PRECISION=dot_precision(q.dtype))
+    scales, scale_strides, quantized = scale_args(k_cache, v_cache, k_scales, v_scales)
+    tiles = dict(BLOCK_SIZE=block_size, TILE=tile, DOT_PRECISION=dot_precision(q.dtype), QUANTIZED=quantized)
     # 8 warps once a K/V tile reaches 32 x 128: with 4, fp32 builds spill registers on
     # sm_89 and sm_90 (python -m labkit.bench gpu-compile; docs/gpu.md has the figures).
     warps = 8 if tile * shapes["HEAD_DIM_PAD"] >= 4096 else 4
     if not partition_size:
         return [Launch(_paged_decode_kernel, (num_seqs, num_kv_heads),
-                       (out, q, k_cache, v_cache, block_tables, context_lens, scale * LOG2E,
-                        *q.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0)),
+                       (out, q, k_cache, v_cache, *scales, block_tables, context_lens, scale * LOG2E,
+                        *q.stride(), *out.stride(), *k_cache.stride(), *scale_strides, block_tables.stride(0)),
                        {**shapes, **tiles}, num_warps=warps)]
     num_partitions = cdiv(max_context_len, partition_size)
     m = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)  # noqa: E741 (FlashAttention's m and l: running max and denominator)
     acc = torch.empty(num_seqs, num_heads, num_partitions, head_dim, dtype=torch.float32, device=q.device)
     split = Launch(_paged_decode_split_kernel, (num_seqs, num_kv_heads, num_partitions),
-                   (m, l, acc, q, k_cache, v_cache, block_tables, context_lens, scale * LOG2E,
-                    *q.stride(), *k_cache.stride(), block_tables.stride(0), *m.stride(), *acc.stride()),
+                   (m, l, acc, q, k_cache, v_cache, *scales, block_tables, context_lens, scale * LOG2E,
+                    *q.stride(), *k_cache.stride(), *scale_strides, block_tables.stride(0), *m.stride(),
+                    *acc.stride()),
                    {**shapes, **tiles, "PARTITION": partition_size}, num_warps=warps)
     reduce = Launch(_paged_decode_reduce_kernel, (num_seqs, num_kv_heads),
                     (out, m, l, acc, context_lens, *out.stride(), *m.stride(), *acc.stride()),
@@ -358,24 +412,28 @@ def plan_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, *, k_scales: torch.Tensor | None = None,
+                               v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of :func:`paged_decode_attention`: same arguments, same result.
 
     Gather each sequence's blocks into a dense [seqs, max_len, kv_heads, d] tensor (padding
     zeroed), then one masked ``scaled_dot_product_attention`` with the query heads folded
     per KV head (see ``_common.paged_attention_torch``; on CPU it works through the batch in
-    cache-sized chunks of sequences). No Python loop over sequences or tokens.
+    cache-sized chunks of sequences). No Python loop over sequences or tokens. A quantized
+    cache is dequantized as it is gathered (``k_scales``, ``v_scales``: ``kv_quant.py``).
     """
-    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scales=k_scales, v_scales=v_scales)
+    return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales)
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_scales: torch.Tensor | None = None,
+                           v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's computation, for callers that have already checked the arguments."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     q_pos = (context_lens.long() - 1)[:, None]  # the new token is the sequence's last
-    out = paged_attention_torch(q[:, None], q_pos, k_cache, v_cache, block_tables, context_lens, scale)
+    out = paged_attention_torch(q[:, None], q_pos, k_cache, v_cache, block_tables, context_lens, scale,
+                                k_scales, v_scales)
     return out[:, 0]

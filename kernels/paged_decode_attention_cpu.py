@@ -28,7 +28,9 @@ Each task walks its sequence's blocks in order, as the GPU kernel walks its tile
 
 K and V are each read once, in place, and the block's scores never leave the L1 cache.
 Same signature as the reference; fp32 and bf16 caches (bf16 is widened to fp32 block by
-block, in L1); other dtypes fall back to the reference.
+block, in L1); the C++ kernel reads quantized caches too (int8 and fp8 with their scales,
+``kv_quant.py``: dequantized in its inner loop), the Numba loop does not; other dtypes
+fall back to the reference.
 
 The loops are compiled without bounds checks (a check per load would cost more than the
 load). So the arguments are checked once per call, before they run, with the reference's
@@ -47,6 +49,7 @@ import torch
 
 from . import cpu_extension
 from ._common import check_attention_inputs
+from .kv_quant import QUANTIZED_DTYPES
 from .paged_decode_attention import decode_attention_torch
 
 try:
@@ -214,34 +217,40 @@ IMPLS = ("auto", "cpp", "numba")
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float, *, impl: str = "auto") -> torch.Tensor:
+                               scale: float, *, impl: str = "auto", k_scales: torch.Tensor | None = None,
+                               v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the paged cache, read in place (same contract as the reference).
 
     ``impl``: "auto" (the C++ kernel where it was built and has these shapes, else the Numba
-    loop), "cpp" or "numba" (that one, or an error saying why it cannot run)."""
+    loop), "cpp" or "numba" (that one, or an error saying why it cannot run). A quantized
+    cache (int8, fp8) comes with its ``k_scales``, ``v_scales``; the C++ kernel reads it, and
+    where it cannot run, the torch reference (the Numba loop reads fp32 and bf16 only)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
-    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens)  # the loops trust them
-    usable = (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens,  # the loops trust them
+                           k_scales=k_scales, v_scales=v_scales)
+    quantized = k_scales is not None
+    usable = (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16, *QUANTIZED_DTYPES)
               and k_cache.is_contiguous() and v_cache.is_contiguous())
     ext = cpu_extension.load() if usable and impl != "numba" else None
     if ext is not None and not ext.supports(q.shape[2], q.shape[1] // k_cache.shape[2], k_cache.shape[1]):
         ext = None
     if impl == "cpp" and ext is None:
         raise RuntimeError("the C++ decode kernel cannot run here: " + (
-            cpu_extension.status()[1] if usable else "it needs contiguous fp32/bf16 CPU caches")
+            cpu_extension.status()[1] if usable else "it needs contiguous fp32, bf16, int8 or fp8 CPU caches")
             + " (or these shapes have no kernel)")
-    if impl == "numba" and not (usable and HAS_NUMBA):
-        why = NUMBA_IMPORT_ERROR or "not CPU fp32/bf16 caches"
+    if impl == "numba" and not (usable and HAS_NUMBA and not quantized):
+        why = NUMBA_IMPORT_ERROR or ("it reads fp32 and bf16 caches, not quantized ones" if quantized
+                                     else "not CPU fp32/bf16 caches")
         raise RuntimeError(f"the Numba decode kernel cannot run here ({why})")
     if q.shape[0] == 0:
         return torch.empty_like(q)
     tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
     if ext is not None:
         return ext.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, tables, lens,
-                                          float(scale)).to(q.dtype)
-    if not (usable and HAS_NUMBA):
-        return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+                                          float(scale), k_scales, v_scales).to(q.dtype)
+    if not (usable and HAS_NUMBA) or quantized:
+        return decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales)
     _start_numba_pool()
     out = torch.empty(q.shape, dtype=torch.float32)
     args = (tables.numpy(), lens.numpy(), np.float32(scale), out.numpy())

@@ -40,7 +40,7 @@ from ._common import (
     check_attention_inputs,
     check_triton_launch,
     dot_precision,
-    gather_paged_kv,
+    gather_paged_kv_dequantized,
     kernel_tile,
     next_power_of_2,
     padded_head_dim,
@@ -49,7 +49,8 @@ from ._common import (
     tl,
     triton,
 )
-from .paged_decode_attention import online_softmax_step, paged_token_offsets
+from .paged_decode_attention import (check_cache_dtype, load_kv_tile, online_softmax_step, paged_token_offsets,
+                                     scale_args)
 
 # Rows (query tokens x group heads) per program. 64 keeps tl.dot's M dimension well above
 # its minimum and the accumulator [64, head_dim] in registers, with 4 warps up to head dims
@@ -59,25 +60,31 @@ from .paged_decode_attention import online_softmax_step, paged_token_offsets
 _QUERY_ROWS = 64
 
 
-def _rows_and_warps(head_dim_pad: int, tile: int, capability: tuple[int, int] | None) -> tuple[int, int]:
-    """(query rows, num_warps) of a prefill program for this head dim and key tile on this GPU."""
+def _rows_and_warps(head_dim_pad: int, tile: int, capability: tuple[int, int] | None,
+                    widened_fp32: bool = False) -> tuple[int, int]:
+    """(query rows, num_warps) of a prefill program for this head dim and key tile on this GPU.
+    ``widened_fp32``: fp32 queries over a quantized cache, whose byte tiles are widened to fp32
+    beside the accumulator: 4 warps spill there (sm_80: 255 registers and 664 bytes of spill
+    stores, head dim 64), 8 do not (201 registers)."""
     old_gpu = capability is not None and capability < (8, 0)
     rows = _QUERY_ROWS // 2 if head_dim_pad >= 128 and old_gpu else _QUERY_ROWS
-    return rows, (8 if head_dim_pad >= 128 or tile >= 32 else 4)
+    return rows, (8 if head_dim_pad >= 128 or tile >= 32 or (widened_fp32 and not old_gpu) else 4)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block table's width follows the batch
 def _paged_prefill_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, context_lens_ptr,
     query_start_loc_ptr,
     qk_scale,                                   # softmax scale * log2(e)
     stride_qt, stride_qh, stride_qd,            # q and out: [total_tokens, num_heads, head_dim]
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_co, stride_ch, stride_cd,  # caches: [blocks, block_size, kv_heads, d]
+    stride_sb, stride_so, stride_sh,            # scales (quantized caches): [blocks, block_size, kv_heads]
     stride_bt,                                  # block_tables: [num_seqs, max_blocks]
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QUERY_TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,11 +122,13 @@ def _paged_prefill_kernel(
     for start in range(0, kv_end, TILE):
         tok = start + offs_t
         tok_mask = tok < kv_end
-        kv = paged_token_offsets(block_table_row, tok, tok_mask, stride_cb, stride_co, BLOCK_SIZE)
+        kv, sc = paged_token_offsets(block_table_row, tok, tok_mask, stride_cb, stride_co, stride_sb, stride_so,
+                                     BLOCK_SIZE)
         kv_ptrs = kv[:, None] + head_offset + d[None, :] * stride_cd
         kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        sc_ptrs = sc + kv_head * stride_sh
+        k = load_kv_tile(k_cache_ptr, k_scales_ptr, kv_ptrs, kv_mask, sc_ptrs, tok_mask, q, QUANTIZED)
+        v = load_kv_tile(v_cache_ptr, v_scales_ptr, kv_ptrs, kv_mask, sc_ptrs, tok_mask, q, QUANTIZED)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         causal = tok[None, :] <= q_pos[:, None]
@@ -133,7 +142,8 @@ def _paged_prefill_kernel(
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor,
-                            query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                            query_start_loc: torch.Tensor, scale: float, *,
+                            k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed prefill chunks over the paged cache (Triton).
 
     q [total_query_tokens, num_heads, head_dim], rows of sequence i at
@@ -141,25 +151,27 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_kv_heads, head_dim] already holding the chunks' K/V; block_tables
     [num_seqs, max_blocks_per_seq] int32; context_lens [num_seqs] int32, each including its
     chunk (so >= the chunk length); query_start_loc [num_seqs + 1] int32.
-    Returns ``out`` shaped like ``q``.
+    Returns ``out`` shaped like ``q``. A quantized cache (int8, fp8) needs its ``k_scales``,
+    ``v_scales`` (``kv_quant.py``); its tiles are dequantized as they are read.
     """
-    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scales, v_scales)
     check_triton_launch(_paged_prefill_kernel, q, k_cache, v_cache, block_tables, context_lens,
                         query_start_loc)
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype")
+    check_cache_dtype(q, k_cache)
     out = torch.empty_like(q)
     if context_lens.shape[0] == 0 or q.shape[0] == 0:
         return out
     # One host sync: the grid's third axis must cover the longest chunk.
     max_chunk = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    plan_prefill(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_chunk)()
+    plan_prefill(out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, max_chunk,
+                 k_scales=k_scales, v_scales=v_scales)()
     return out
 
 
 def plan_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                 scale: float, max_chunk: int, capability: tuple[int, int] | None = None) -> Launch:
+                 scale: float, max_chunk: int, capability: tuple[int, int] | None = None, *,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> Launch:
     """The prefill launch (arguments already checked; ``max_chunk`` the longest chunk, which
     sizes the grid): a program owns a query tile of ``QUERY_TILE`` tokens times the padded GQA
     group, 64 rows (32 on GPUs before sm_80 with head dims past 64), 4 or 8 warps (``_rows_and_warps``).
@@ -171,15 +183,17 @@ def plan_prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
     head_dim_pad, tile = padded_head_dim(head_dim), kernel_tile(block_size)
-    rows, warps = _rows_and_warps(head_dim_pad, tile, capability)
+    rows, warps = _rows_and_warps(head_dim_pad, tile, capability,
+                                  widened_fp32=k_scales is not None and q.dtype == torch.float32)
     query_tile = max(1, rows // group_pad)
+    scales, scale_strides, quantized = scale_args(k_cache, v_cache, k_scales, v_scales)
     return Launch(
         _paged_prefill_kernel, (num_seqs, num_kv_heads, triton.cdiv(max_chunk, query_tile)),
-        (out, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale * LOG2E,
-         *q.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0)),
+        (out, q, k_cache, v_cache, *scales, block_tables, context_lens, query_start_loc, scale * LOG2E,
+         *q.stride(), *out.stride(), *k_cache.stride(), *scale_strides, block_tables.stride(0)),
         dict(GROUP=group, GROUP_PAD=group_pad, QUERY_TILE=query_tile, HEAD_DIM=head_dim,
              HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE=tile,
-             DOT_PRECISION=dot_precision(q.dtype)),
+             DOT_PRECISION=dot_precision(q.dtype), QUANTIZED=quantized),
         num_warps=warps,
     )
 
@@ -191,7 +205,9 @@ def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                                query_start_loc: torch.Tensor, scale: float, *,
+                                k_scales: torch.Tensor | None = None,
+                                v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference of :func:`paged_prefill_attention`: same arguments, same result.
 
     Chunks are padded into [seqs, longest chunk, heads, d] and their context gathered into
@@ -200,8 +216,9 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     when a 1000-token prompt shares a batch with one-token chunks, so sequences are first
     grouped by (ceil log2 chunk length, ceil log2 context length): within a group padding
     at most doubles each side. The loop runs over these few groups, not over sequences.
+    A quantized cache is dequantized as it is gathered (``kv_quant.py``).
     """
-    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scales, v_scales)
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
@@ -220,7 +237,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         j = torch.minimum(j, lens - 1)                    # padding repeats the last query
         rows = starts[seqs, None] + j                     # row of q for each (seq, j)
         q_pos = ctx[:, None] - lens + j                   # absolute position of the query
-        o = paged_attention_torch(q[rows], q_pos, k_cache, v_cache, block_tables[seqs], ctx, scale)
+        o = paged_attention_torch(q[rows], q_pos, k_cache, v_cache, block_tables[seqs], ctx, scale,
+                                  k_scales, v_scales)
         out[rows[real]] = o[real]
     return out
 
@@ -231,11 +249,14 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 # 4.2 at 512, 13.5 vs 12.8 at 1024 (fp32): a row re-reads its context, which stops fitting
 # in L2 past about a thousand tokens; SDPA's tiles reuse it.
 ROWS_MAX_CONTEXT = 768
+# The cache dtypes the C++ loop reads (csrc/paged_decode_attention.cpp): fp32, bf16, and the
+# quantized int8 and fp8 (e4m3), dequantized in its inner loop.
+CPP_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
 def _row_kernel(q: torch.Tensor, k_cache: torch.Tensor):
     """The compiled module when prefill rows run vectorized here (AVX-512, these shapes), else None."""
-    if q.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16):
+    if q.device.type != "cpu" or k_cache.dtype not in CPP_CACHE_DTYPES:
         return None
     from . import cpu_extension
     ext = cpu_extension.load()
@@ -247,7 +268,9 @@ def _row_kernel(q: torch.Tensor, k_cache: torch.Tensor):
 
 def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                                query_start_loc: torch.Tensor, scale: float, *,
+                                k_scales: torch.Tensor | None = None,
+                                v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU backend's prefill (same arguments and result as the reference).
 
     * **Short contexts** (at most ``ROWS_MAX_CONTEXT`` tokens, where the C++ kernels run
@@ -263,8 +286,11 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
       ``is_causal=True``, and the fused kernel skips the upper triangle. A chunk that
       follows earlier tokens sees all of them and itself causally: query ``i`` at position
       ``ctx - n + i`` attends to keys ``j <= ctx - n + i``, an explicit boolean mask.
+
+    A quantized cache (int8, fp8: ``kv_quant.py``): the C++ loop dequantizes in its inner
+    loop; the SDPA path gathers the chunk's context dequantized.
     """
-    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc)
+    check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scales, v_scales)
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()  # one host sync each
     out = torch.empty_like(q)
     num_seqs = len(ctx)
@@ -275,15 +301,16 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         long_seqs = [i for i in range(num_seqs) if ctx[i] > ROWS_MAX_CONTEXT]
         if short:
             _prefill_rows(ext, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                          starts, short, scale, out)
+                          starts, short, scale, out, k_scales, v_scales)
     dtype = reference_compute_dtype(q)
     for i in long_seqs:
         a, b, c = starts[i], starts[i + 1], ctx[i]
         n = b - a
         if n == 0:
             continue
-        k, v = (gather_paged_kv(cache, block_tables[i:i + 1], context_lens[i:i + 1], c)[0, :c].to(dtype)
-                for cache in (k_cache, v_cache))                        # [c, kv_heads, d]
+        k, v = (gather_paged_kv_dequantized(cache, scales, block_tables[i:i + 1], context_lens[i:i + 1], c,
+                                            dtype)[0, :c]
+                for cache, scales in ((k_cache, k_scales), (v_cache, v_scales)))   # [c, kv_heads, d]
         if n == c:
             mask, causal = None, n > 1
         else:
@@ -297,7 +324,8 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def _prefill_rows(ext, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                  starts: list[int], seqs: list[int], scale: float, out: torch.Tensor) -> None:
+                  starts: list[int], seqs: list[int], scale: float, out: torch.Tensor,
+                  k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
     """Chunks ``seqs`` through the C++ row kernel: each query row with its sequence and the
     number of tokens it sees (its position + 1)."""
     chunk_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -310,7 +338,7 @@ def _prefill_rows(ext, q, k_cache, v_cache, block_tables, context_lens, query_st
     o = ext.paged_prefill_attention_rows((q if every_row else q[rows]).float().contiguous(), k_cache, v_cache,
                                          block_tables.to(torch.int32).contiguous(),
                                          row_lens.to(torch.int32).contiguous(),
-                                         row_seq.to(torch.int32).contiguous(), float(scale))
+                                         row_seq.to(torch.int32).contiguous(), float(scale), k_scales, v_scales)
     if every_row:
         out.copy_(o)
     else:

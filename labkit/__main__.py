@@ -21,6 +21,8 @@ import sys
 # labkit.server.limits.DEFAULT_MAX_BODY_BYTES.
 BACKENDS = ("auto", "torch", "triton", "cpu")
 DEFAULT_MAX_BODY_MIB = 1
+# labkit.kernels.kv_quant.KV_CACHE_DTYPES' names, written out for the same reason (tests check them)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8", "fp8_per_token_head", "int8_per_token_head")
 
 _CLASS_HELP = """\
 A server a class shares: give each student a key (keys file: 'name:key' per line) and listen
@@ -63,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="auto",
                    help="auto (default: float32; float16 on GPUs below compute capability 8.0, e.g. a T4), "
                         "float32, float16, bfloat16")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto (default: the model's dtype), fp8 (e4m3) or int8: a quantized KV cache, one byte per "
+                        "number with a scale per token and head, ~2-4x the blocks (docs/kv_quantization.md)")
     e.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for their first iteration before new ones get 429 (-1: no bound)")
     e.add_argument("--step-delay", type=float, default=0.0,
@@ -210,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model, num_blocks=args.num_blocks, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-            attention_backend=args.attention_backend, dtype=args.dtype, jump_forward=not args.no_jump_forward,
+            attention_backend=args.attention_backend, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+            jump_forward=not args.no_jump_forward,
             speculative_config=speculative_config,
             max_waiting=None if args.max_waiting < 0 else args.max_waiting, step_delay_s=args.step_delay)
     except ValueError as e:

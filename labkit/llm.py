@@ -23,7 +23,8 @@ import torch
 from .engine import Engine
 from .executor import ModelExecutor
 from .memory import BlockAllocator, prefix_cache_policy
-from .model.kv_cache import device_memory, plan_kv_cache, size_text
+from .kernels.kv_quant import resolve_kv_cache_dtype
+from .model.kv_cache import device_memory, kv_bytes_per_token, plan_kv_cache, size_text
 from .model.llama import ModelSpec
 from .model.loader import load_model
 from .model.runner import ModelRunner, resolve_dtype
@@ -57,6 +58,9 @@ class LLM:
     "num_speculative_tokens": 4, "prompt_lookup_max": 5}``, ``{"method": "draft_layers",
     "num_layers": 8, "num_speculative_tokens": 3}`` or ``{"model": NAME, ...}``; the output is
     the same, fewer steps produce it (docs/speculative_decoding.md).
+    ``kv_cache_dtype`` (vLLM's option): "auto" (the model's dtype), "fp8" (e4m3) or "int8":
+    a quantized KV cache, one byte per number and one fp32 scale per token and KV head, so the
+    same memory holds ~2x (bf16, fp16) or ~4x (fp32) the blocks (docs/kv_quantization.md).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, block_size: int = 16, num_blocks: int | None = None,
@@ -68,7 +72,7 @@ class LLM:
                  num_threads: int | None = None, preemption_mode: str = "recompute",
                  swap_space: float = 4.0, num_host_blocks: int | None = None,
                  jump_forward: bool = True, speculative_config: dict | None = None,
-                 prefix_caching: bool | str | None = None):
+                 prefix_caching: bool | str | None = None, kv_cache_dtype: str = "auto"):
         # Prefix caching: True or "hash" (vLLM's block hashes), "radix" (SGLang's radix tree),
         # False; ``prefix_caching=`` is the same option under the issue's shorter name.
         if prefix_caching is not None:
@@ -87,6 +91,7 @@ class LLM:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         # "auto": fp32, or fp16 on a GPU below compute capability 8.0 (Colab's T4): resolve_dtype says why.
         torch_dtype, dtype_reason = resolve_dtype(dtype, device)
+        cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch_dtype)   # a bad name fails before loading
         _check_swap_args(preemption_mode, swap_space, num_host_blocks)
         speculative_config = SpeculativeConfig.from_dict(speculative_config)   # refused before the model loads
 
@@ -98,12 +103,15 @@ class LLM:
         # Size the KV cache before allocating it, with the weights already in memory.
         context = ModelSpec.from_config(loaded.config).max_position
         self.max_model_len = min(max_model_len or context, context)
-        self.kv_plan = plan_kv_cache(loaded.config, torch_dtype, block_size, max_num_seqs=max_num_seqs,
+        self.kv_plan = plan_kv_cache(loaded.config, cache_dtype, block_size, max_num_seqs=max_num_seqs,
                                      max_model_len=self.max_model_len, num_blocks=num_blocks,
                                      kv_cache_memory=kv_cache_memory, device=device)
         self.runner = ModelRunner(loaded, block_size=block_size, num_blocks=self.kv_plan.num_blocks,
                                   attention_backend=attention_backend, dtype=torch_dtype, device=device,
-                                  num_threads=num_threads)
+                                  num_threads=num_threads, kv_cache_dtype=cache_dtype)
+        # blocks this cache holds per block of the model's dtype, in the same memory (1 for "auto")
+        self.kv_block_ratio = kv_bytes_per_token(loaded.config, torch_dtype) / kv_bytes_per_token(loaded.config,
+                                                                                                   cache_dtype)
         self.tokenizer = self.runner.tokenizer
         allocator = BlockAllocator(self.runner.num_blocks, block_size, enable_prefix_caching)
         host_blocks = 0
@@ -121,11 +129,19 @@ class LLM:
         self.engine = Engine(scheduler, executor, tokenizer=self.tokenizer)
         self._ids = itertools.count()
         print(f"labkit: {self._load_line(device, dtype_reason)}; KV cache {self.runner.num_blocks} blocks x "
-              f"{block_size} tokens ({size_text(self.runner.kv_cache.nbytes)}): {self.kv_plan.how}", file=sys.stderr)
+              f"{block_size} tokens ({size_text(self.runner.kv_cache.nbytes)}{self._kv_dtype_text()}): "
+              f"{self.kv_plan.how}", file=sys.stderr)
         if self.runner.device.type == "cpu":
             warn_if_too_late(torch.get_num_threads())
 
     _said: set[str] = set()   # load lines already printed in this process
+
+    def _kv_dtype_text(self) -> str:
+        """The banner's words on a quantized cache: its dtype and how many more blocks it holds."""
+        if not self.runner.kv_cache.quantized:
+            return ""
+        return (f", {self.runner.kv_cache_dtype_name} with fp32 scales per token and head: "
+                f"{self.kv_block_ratio:.2f}x the blocks of {str(self.runner.dtype).removeprefix('torch.')}")
 
     def _load_line(self, device, dtype: str) -> str:
         """The model and attention backend, in full the first time a process loads them;
@@ -282,7 +298,8 @@ class LLM:
         every key."""
         s = self.engine.stats()
         s.update(model=self.runner.name, attention_backend=self.runner.attention_backend,
-                 kv_cache_bytes=self.runner.kv_cache.nbytes, max_model_len=self.max_model_len)
+                 kv_cache_bytes=self.runner.kv_cache.nbytes, max_model_len=self.max_model_len,
+                 kv_cache_dtype=self.runner.kv_cache_dtype_name, kv_cache_block_ratio=self.kv_block_ratio)
         s.update(self.engine.scheduler.swap_stats(), swap_s=self.engine.executor.swap_s)
         return s
 

@@ -62,6 +62,31 @@ SAMPLING_FIELDS = {name: name for name in (
     "frequency_penalty", "repetition_penalty", "logit_bias", "structured_outputs")}
 
 
+# labkit's kv_cache_dtype -> vLLM's, by meaning. labkit's quantized caches keep one fp32 scale
+# per token and KV head, computed as each token is written: vLLM's "*_per_token_head" modes
+# (its Triton attention backend, on GPUs). vLLM's plain "fp8" keeps one scale per tensor (1.0
+# unless the checkpoint brings calibrated ones), and that is all its CPU build offers
+# (CPUAttentionBackend: auto, fp8, fp8_e4m3, fp8_e5m2; on x86 with AVX-512 or AMX): no int8.
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_per_token_head", "fp8_e4m3": "fp8_per_token_head",
+                   "fp8_per_token_head": "fp8_per_token_head", "int8": "int8_per_token_head",
+                   "int8_per_token_head": "int8_per_token_head"}
+CPU_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_per_token_head": "fp8"}
+
+
+def vllm_kv_cache_dtype(kv_cache_dtype: str, cpu: bool = True) -> str:
+    """vLLM's ``kv_cache_dtype`` for labkit's: the same scheme on a GPU, the nearest its CPU
+    build has on a CPU (fp8 with a per-tensor scale). ValueError where vLLM has none (int8
+    on a CPU) or the name is not labkit's."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    if not cpu:
+        return KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype not in CPU_KV_CACHE_DTYPES:
+        raise ValueError(f"vLLM's CPU build has no {kv_cache_dtype} KV cache (its CPU attention takes auto, fp8, "
+                         "fp8_e4m3, fp8_e5m2); its int8_per_token_head runs on GPUs only")
+    return CPU_KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 class VLLMUnavailable(RuntimeError):
     """vLLM cannot be run from here; the message says why and how to enable it."""
 
@@ -161,6 +186,13 @@ def vllm_env(kv_cache_gib: float = KV_CACHE_GIB) -> dict[str, str]:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
     return env
+
+
+def cli_command(python: str, *args: str) -> list[str]:
+    """The command line that runs vLLM's own CLI, ``vllm ARGS...`` (``serve``, ``bench serve``),
+    in vLLM's interpreter ``python``: the vllm-cpu distribution's ``vllm`` script fails on its
+    own (it asks for a distribution named "vllm"; see ``_cli_child``)."""
+    return _child_command(python, "cli", *args)
 
 
 def _child_command(python: str, *args: str) -> list[str]:
@@ -321,7 +353,7 @@ def serve(model: str = "smollm2-135m", *, served_model_name: str | None = None, 
             flags.append(flag)
         elif value is not False and value is not None:
             flags += [flag, str(value)]
-    cmd = _child_command(python, "serve", model_dir(model), "--host", "127.0.0.1", "--port", str(port),
+    cmd = cli_command(python, "serve", model_dir(model), "--host", "127.0.0.1", "--port", str(port),
                          "--served-model-name", served_model_name or model, *flags, *extra_args)
     with tempfile.TemporaryDirectory(prefix="labkit-vllm-") as tmp, \
             server_process(cmd, port, name="vllm serve", timeout_s=timeout_s, env=vllm_env(kv_cache_gib),
@@ -331,13 +363,13 @@ def serve(model: str = "smollm2-135m", *, served_model_name: str | None = None, 
 
 # ---- in vLLM's interpreter: standard library and vllm only ------------------------------------
 def _child(argv: list[str]) -> int:
-    """``generate JOB OUT`` or ``serve ARGS...``, in vLLM's interpreter."""
-    if argv[0] == "serve":
-        return _serve_child(argv[1:])
+    """``generate JOB OUT`` or ``cli ARGS...`` (``vllm ARGS...``), in vLLM's interpreter."""
+    if argv[0] == "cli":
+        return _cli_child(argv[1:])
     return _generate_child(*argv[1:])
 
 
-def _serve_child(args: list[str]) -> int:
+def _cli_child(args: list[str]) -> int:
     # The vllm-cpu distribution is not named "vllm": its CLI asks for that name's version
     # (vLLM's platform detection already falls back to "vllm-cpu" + "+cpu").
     import importlib.metadata as metadata
@@ -347,7 +379,7 @@ def _serve_child(args: list[str]) -> int:
     except metadata.PackageNotFoundError:
         metadata.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
     from vllm.entrypoints.cli.main import main
-    sys.argv = ["vllm", "serve", *args]
+    sys.argv = ["vllm", *args]
     main()
     return 0
 

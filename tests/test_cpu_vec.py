@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.kernels import cpu_extension
+from labkit.kernels.kv_quant import dequantize, quantize
 from labkit.kernels.paged_decode_attention import decode_attention_torch
 from labkit.kernels.reshape_and_cache import reshape_and_cache_ref
 from labkit.model.llama import RMSNorm, apply_rope
@@ -118,6 +119,41 @@ def test_prefill_rows_are_causal_attention_over_each_rows_prefix(ext, dtype):
     out = ext.paged_prefill_attention_rows(qr, k, v, tables, row_lens, row_seq, 0.2)
     expect = _reference(qr, k, v, tables[row_seq.long()], row_lens, 0.2)
     torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
+
+
+QUANTIZED = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
+
+
+@pytest.mark.parametrize("qdtype", QUANTIZED)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 16, 2), (32, 6, 1), (64, 10, 2)])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_decode_and_prefill_rows_read_a_quantized_cache(ext, qdtype, head_dim, heads, kv_heads, block_size):
+    """int8 and fp8 bytes widened in the inner loop, K's scale on each score, V's on each
+    weight: the reference over the dequantized cache. The blocks no sequence owns hold NaN,
+    so their scales are NaN: a kernel that reads one poisons its output."""
+    lens = [1, 7, block_size, block_size + 1, 97]
+    q, k, v, tables, lens = _paged(lens, block_size, kv_heads, head_dim, heads, torch.float32)
+    (kq, ks), (vq, vs) = quantize(k * 3, qdtype), quantize(v, qdtype)
+    kd, vd = dequantize(kq, ks), dequantize(vq, vs)
+    out = ext.paged_decode_attention(q, kq, vq, tables, lens, 0.3, ks, vs)
+    torch.testing.assert_close(out, _reference(q, kd, vd, tables, lens, 0.3), atol=2e-5, rtol=2e-5)
+    row_seq = torch.tensor([4, 4, 2, 1], dtype=torch.int32)      # rows of sequences' prefixes
+    row_lens = torch.tensor([97, 50, block_size, 3], dtype=torch.int32)
+    rows = ext.paged_prefill_attention_rows(q[row_seq.long()], kq, vq, tables, row_lens, row_seq, 0.3, ks, vs)
+    expect = _reference(q[row_seq.long()], kd, vd, tables[row_seq.long()], row_lens, 0.3)
+    torch.testing.assert_close(rows, expect, atol=2e-5, rtol=2e-5)
+
+
+def test_every_fp8_byte_reads_as_torch_converts_it(ext):
+    """vec.h decodes e4m3 field by field (subnormals, both signs, the largest 448): a sequence
+    of one token attends to it alone, so the output is that token's value row exactly."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)   # NaNs excluded
+    rows = torch.cat([codes, torch.zeros(256 - len(codes), dtype=torch.uint8)]).view(16, 1, 1, 16)   # padded: 16 x 16
+    v = rows.view(torch.float8_e4m3fn)                  # 16 blocks of one token, one head of 16
+    scales = torch.ones(16, 1, 1)
+    out = ext.paged_decode_attention(torch.zeros(16, 1, 16), v, v, torch.arange(16, dtype=torch.int32)[:, None],
+                                     torch.ones(16, dtype=torch.int32), 1.0, scales, scales)
+    assert torch.equal(out.view(16, 16), v.float().view(16, 16))
 
 
 def test_vectorized_means_simd_registers_and_a_compiled_group(ext):

@@ -7,8 +7,9 @@ CI compiles the ``--quick`` subset: every kernel, every target and every dtype i
 64/96/128, GQA groups 1/3/8 and block sizes 8/16/32: the default model's (SmolLM2: 3 KV
 heads, group 3, head dim 64, blocks of 16; the grid's head dim 64 stands in when the model is
 not cached), head dim 128 x group 8 x blocks of 32 (the largest tiles), head dim 96 (padded
-to 128) x group 1 x blocks of 8 (two blocks per key tile). About 165 builds, ~1 s of CPU
-each. The full matrix (all 96 grid shapes, block size 64 too) is the CLI's default and
+to 128) x group 1 x blocks of 8 (two blocks per key tile); and on the first of these shapes the
+quantized KV caches (kv_cache_dtype int8 everywhere, fp8 from sm_89). About 235 builds, ~1 s
+of CPU each. The full matrix (all 96 grid shapes, block size 64 too) is the CLI's default and
 docs/gpu.md's figures.
 
 The compile runs in worker processes with TRITON_INTERPRET=0: this process defined its
@@ -50,6 +51,16 @@ def test_every_kernel_compiles_and_fits_every_gpu(quick):
                 built = {r["kernel"] for r in rows if (r["target"], r["dtype"], r["shape"]) == where}
                 assert built == KERNELS, (target.name, dtype, shape)
     assert not any(r["target"] == "sm_75" and r["dtype"] == "bf16" for r in rows)   # the T4 has no bf16
+    # The quantized caches: every kernel that reads or writes the cache, on the first shape, where
+    # the GPU runs them (int8 everywhere; fp8 e4m3 needs sm_89's conversions: the L4, the H100).
+    assert {t.name for t in G.TARGETS.values() if "fp8" in t.kv_dtypes} == {"sm_89", "sm_90"}
+    for target in G.TARGETS.values():
+        for dtype in target.dtypes:
+            for kv in ("int8", "fp8"):
+                built = {r["kernel"] for r in rows if (r["target"], r["dtype"], r["kv_dtype"], r["shape"])
+                         == (target.name, dtype, kv, shapes[0])}
+                assert built == (KERNELS if kv in target.kv_dtypes else set()), (target.name, dtype, kv)
+    assert {r["kv_dtype"] for r in rows if r["shape"] != shapes[0]} == {"auto"}
     for r in rows:
         limit = G.TARGETS[r["target"]].max_shared
         assert r["status"] in ("ok", "spills") and r["problems"] == []
@@ -127,7 +138,7 @@ def test_ptxas_report_is_read():
 def test_a_shape_the_launchers_refuse_is_a_failed_build_not_a_crash(tmp_path, capsys):
     out = tmp_path / "r.json"
     status = G.main(["--no-model", "--head-dims", "512", "--groups", "1", "--block-sizes", "16",
-                     "--targets", "sm_80", "--dtypes", "fp16", "--jobs", "1", "--out", str(out)])
+                     "--targets", "sm_80", "--dtypes", "fp16", "--kv-dtypes", "auto", "--jobs", "1", "--out", str(out)])
     assert status == 1
     report = json.loads(out.read_text())
     assert [r["kernel"] for r in report["builds"]] == ["(plan)"]
@@ -138,6 +149,8 @@ def test_a_shape_the_launchers_refuse_is_a_failed_build_not_a_crash(tmp_path, ca
 def test_bad_options_are_refused(capsys):
     assert G.main(["--targets", "sm_70"]) == 2
     assert "unknown target or dtype ['sm_70']" in capsys.readouterr().err
+    assert G.main(["--kv-dtypes", "fp4"]) == 2
+    assert "unknown target or dtype ['fp4']" in capsys.readouterr().err
     assert G.main(["--targets", "sm_75", "--dtypes", "bf16"]) == 2          # the T4 runs no bf16
     assert "nothing to compile" in capsys.readouterr().err
 
@@ -150,3 +163,14 @@ def test_model_shapes_come_from_their_config(tmp_path):
     shapes, notes = G.matrix_shapes([str(tmp_path)], [64], [1], [8, 16], quick=False)
     assert [s.label for s in shapes[:2]] == [f"{tmp_path.name} d64 g7 kv2 bs8", f"{tmp_path.name} d64 g7 kv2 bs16"]
     assert notes == []
+
+
+def test_the_quantized_caches_compile_with_the_model_dtypes_they_run_beside():
+    """Units keep every KV cache dtype of one (target, dtype, head dim) together: the split
+    decode's reduce reads no cache, so its build is the same for all of them, and one worker
+    compiles it once (ptxas reports only a build it compiled)."""
+    shapes = [G.Shape("m", 3, 3, 64, 16), G.Shape("grid", 8, 8, 128, 32)]
+    units = G.plan_units(shapes, ["sm_75", "sm_90"], ["fp16"], G.KV_DTYPES, shapes[:1])
+    assert [(u["target"], u["kv_dtypes"]) for u in units] == [
+        ("sm_75", {"m d64 g3 kv3 bs16": ["auto", "int8"]}), ("sm_75", {"grid d128 g8 kv8 bs32": ["auto"]}),
+        ("sm_90", {"m d64 g3 kv3 bs16": ["auto", "int8", "fp8"]}), ("sm_90", {"grid d128 g8 kv8 bs32": ["auto"]})]

@@ -348,7 +348,7 @@ def test_a_class_graded_twice_gives_the_same_rows(graded):
     first, again = _rows(graded["first"]), _rows(graded["again"])
     assert set(again) == set(AGAIN), sorted(again)
     for name in AGAIN:
-        assert _row(first[name]) == _row(again[name]), name
+        assert _row(first[name]) == _row(again[name]), (name, _row(first[name]), _row(again[name]))
 
 
 def test_the_checkout_is_untouched_and_nothing_of_the_attacks_is_left(graded):

@@ -3,12 +3,16 @@
 
 bool supports(int64_t head_dim, int64_t group, int64_t block_size);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  const c10::optional<at::Tensor>& k_scales,
+                                  const c10::optional<at::Tensor>& v_scales);
 bool vectorized(int64_t head_dim, int64_t group);
 std::string isa();
 at::Tensor paged_prefill_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& block_tables, const at::Tensor& row_lens,
-                                        const at::Tensor& row_seq, double scale);
+                                        const at::Tensor& row_seq, double scale,
+                                        const c10::optional<at::Tensor>& k_scales,
+                                        const c10::optional<at::Tensor>& v_scales);
 
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
@@ -21,12 +25,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "labkit's C++ CPU kernels";
   m.def("supports", &supports, "whether paged_decode_attention has a kernel for (head_dim, group, block_size)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV cache, read in place (fp32 or bf16 cache, fp32 q and out)");
+        "decode attention over the paged KV cache, read in place (fp32, bf16, or int8 / fp8 with their scales; "
+        "fp32 q and out)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
   m.def("vectorized", &vectorized,
         "whether (head_dim, group) runs vectorized on this build: SIMD registers and a compiled group");
   m.def("isa", &isa, "the instruction set this build's vectors use: avx512, avx2 or portable (vec.h)");
   m.def("paged_prefill_attention_rows", &paged_prefill_attention_rows,
-        "prefill as query rows: row r attends to the first row_lens[r] tokens of sequence row_seq[r]");
+        "prefill as query rows: row r attends to the first row_lens[r] tokens of sequence row_seq[r]",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("row_lens"),
+        py::arg("row_seq"), py::arg("scale"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
   m.def("rope_and_cache", &rope_and_cache,
         "rotary embedding of q and k, and k, v written into the cache at their slots; returns q");
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place, if given), then rms_norm(x) * weight");

@@ -30,7 +30,13 @@
 
 // Cache layout (labkit.model.kv_cache): [num_blocks, block_size, num_kv_heads, head_dim],
 // fp32 or bf16 (bf16 is widened to fp32 in registers: a bf16 number is the top half of the
-// fp32 number with the same bits). q is fp32 [num_seqs, num_heads, head_dim]; out likewise.
+// fp32 number with the same bits), or quantized (kernels/kv_quant.py): int8 or fp8 e4m3, one
+// byte per number, with one fp32 scale per token and KV head in k_scales / v_scales
+// [num_blocks, block_size, num_kv_heads]. The bytes are widened in registers as bf16 is, and the
+// scales applied where they cost least: a token's K scale multiplies its score (q . (s k) =
+// s (q . k): one multiply per token, not per number), its V scale its weight in the sum of
+// values (the softmax denominator takes the weight unscaled). q is fp32 [num_seqs, num_heads,
+// head_dim]; out likewise.
 // The Python wrapper has checked every shape, dtype, context length and block id: this
 // loop trusts them.
 
@@ -42,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -60,6 +67,10 @@ constexpr float kMinusInfinity = -1e30f;  // finite: exp(-1e30 - m) is 0 all the
 // Ask for one cache line to be brought into L2 (locality 2: prefetcht1 on x86), not L1:
 // see the measurements at the top.
 inline void prefetch_line(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+// Whether a cache of T stores quantized numbers, which come with one scale per token and head.
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, vec::fp8_e4m3>;
 
 template <typename T, int D>
 inline void prefetch_head_row(const T* row) {
@@ -91,7 +102,8 @@ struct GroupState {
 // (the FlashAttention update). kb / vb point at the block's first token row (KV head 0);
 // consecutive tokens are row_stride elements apart. The block is read one KV head at a time
 // (that head's part of each token row, 64-256 bytes); the next block's rows of that head are
-// prefetched as they are read.
+// prefetched as they are read. A quantized cache's block comes with its scales, ksb / vsb
+// (token o, head h at o * num_kv_heads + h); nullptr otherwise.
 //
 // G > 0 fixes the group size at compile time (the common ones): the G x D query and the G x D
 // running output then fit in vector registers (AVX-512: 3 x 4 + 3 x 4 zmm for SmolLM2) and
@@ -99,7 +111,8 @@ struct GroupState {
 // same code with a loop bound the compiler cannot unroll: correct for any group, not tuned.
 template <typename T, int D, int G>
 inline void attend_block(GroupState<D>* st, int64_t num_kv_heads, int group_at_run_time, const T* kb,
-                         const T* vb, int used, int64_t row_stride, NextBlock<T> next) {
+                         const T* vb, const float* ksb, const float* vsb, int used, int64_t row_stride,
+                         NextBlock<T> next) {
   static_assert(D % Vec16::size == 0, "head_dim must be a multiple of 16");
   constexpr int C = D / Vec16::size;  // vectors per head row
   constexpr int kG = G > 0 ? G : kMaxGroup;  // room for the group
@@ -109,6 +122,15 @@ inline void attend_block(GroupState<D>* st, int64_t num_kv_heads, int group_at_r
   for (int64_t h = 0; h < num_kv_heads; ++h) {
     GroupState<D>& s = st[h];
     Vec16 p[kG][kChunks];  // scores, then probabilities: lane i of p[g][ch] is token 16 ch + i
+    // A quantized block: this head's scales of its tokens, side by side (lanes past `used`: 0).
+    alignas(64) float k_scale[kQuantized<T> ? kMaxBlockSize : 1];
+    alignas(64) float v_scale[kQuantized<T> ? kMaxBlockSize : 1];
+    if constexpr (kQuantized<T>) {
+      for (int o = 0; o < chunks * Vec16::size; ++o) {
+        k_scale[o] = o < used ? ksb[o * num_kv_heads + h] : 0.f;
+        v_scale[o] = o < used ? vsb[o * num_kv_heads + h] : 0.f;
+      }
+    }
     // 1. scores, 16 tokens at a time. A token's dot product with query head g is left as 16
     //    lane-wise partial sums (part[g][i]); once 16 tokens are in, one transpose-and-add
     //    (vec::sum_lanes) turns them into one vector of 16 scores, instead of 16 horizontal sums.
@@ -134,6 +156,10 @@ inline void attend_block(GroupState<D>* st, int64_t num_kv_heads, int group_at_r
         for (int i = n; i < Vec16::size; ++i)  // past the block's last token: scores of 0, masked below
           for (int g = 0; g < group; ++g) part[g][i] = Vec16::zero();
         for (int g = 0; g < group; ++g) p[g][ch] = vec::sum_lanes(part[g]);
+        if constexpr (kQuantized<T>) {  // q . (s k) = s (q . k): each token's K scale, once per score
+          const Vec16 ks = Vec16::load(k_scale + ch * Vec16::size);
+          for (int g = 0; g < group; ++g) p[g][ch] = p[g][ch] * ks;
+        }
       }
     }
     // 2. online softmax: a new maximum rescales what was accumulated so far. Lanes past
@@ -159,7 +185,12 @@ inline void attend_block(GroupState<D>* st, int64_t num_kv_heads, int group_at_r
     //    probabilities go through memory once, as plain floats.
     alignas(64) float w[kG][kMaxBlockSize];
     for (int g = 0; g < group; ++g)
-      for (int ch = 0; ch < chunks; ++ch) p[g][ch].store(w[g] + ch * Vec16::size);
+      for (int ch = 0; ch < chunks; ++ch) {
+        if constexpr (kQuantized<T>)  // each token's V scale joins its weight (the denominator has it unscaled)
+          (p[g][ch] * Vec16::load(v_scale + ch * Vec16::size)).store(w[g] + ch * Vec16::size);
+        else
+          p[g][ch].store(w[g] + ch * Vec16::size);
+      }
     Vec16 acc[kG][C];
     for (int g = 0; g < group; ++g) {
       const Vec16 a = Vec16::all(alpha[g]);
@@ -183,11 +214,12 @@ inline void attend_block(GroupState<D>* st, int64_t num_kv_heads, int group_at_r
 template <typename T, int D, int G>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, const int32_t* row_seq, float scale,
-            at::Tensor& out) {
+            const float* k_scales, const float* v_scales, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int group = int(num_heads / num_kv_heads);
   const int64_t block_stride = k_cache.stride(0), row_stride = k_cache.stride(1);
+  const int64_t scale_block_stride = block_size * num_kv_heads;  // scales: contiguous [blocks, block_size, kv_heads]
   const int64_t table_stride = block_tables.stride(0);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -237,7 +269,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t nb = last ? table[b] : table[b + 1];
         const NextBlock<T> next{kp + nb * block_stride, vp + nb * block_stride,
                                 last ? 0 : int(std::min(block_size, n - (b + 1) * block_size))};
-        attend_block<T, D, G>(state.data(), num_kv_heads, group, kb, vb, used, row_stride, next);
+        const float* ksb = k_scales ? k_scales + table[b] * scale_block_stride : nullptr;
+        const float* vsb = v_scales ? v_scales + table[b] * scale_block_stride : nullptr;
+        attend_block<T, D, G>(state.data(), num_kv_heads, group, kb, vb, ksb, vsb, used, row_stride, next);
       }
       float* os = op + s * num_heads * D;
       for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
@@ -252,29 +286,30 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 }
 
 // The group sizes of common models get their own compiled loop (see attend_block).
+// (ks, vs: a quantized cache's scales, nullptr otherwise.)
 template <typename T, int D>
 void decode_for_group(int64_t group, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& bt, const at::Tensor& cl, const int32_t* row_seq, float scale,
-                      at::Tensor& out) {
+                      const float* ks, const float* vs, at::Tensor& out) {
   switch (group) {
-    case 1: decode<T, D, 1>(q, k, v, bt, cl, row_seq, scale, out); break;
-    case 2: decode<T, D, 2>(q, k, v, bt, cl, row_seq, scale, out); break;
-    case 3: decode<T, D, 3>(q, k, v, bt, cl, row_seq, scale, out); break;
-    case 4: decode<T, D, 4>(q, k, v, bt, cl, row_seq, scale, out); break;
-    case 8: decode<T, D, 8>(q, k, v, bt, cl, row_seq, scale, out); break;
-    default: decode<T, D, 0>(q, k, v, bt, cl, row_seq, scale, out);
+    case 1: decode<T, D, 1>(q, k, v, bt, cl, row_seq, scale, ks, vs, out); break;
+    case 2: decode<T, D, 2>(q, k, v, bt, cl, row_seq, scale, ks, vs, out); break;
+    case 3: decode<T, D, 3>(q, k, v, bt, cl, row_seq, scale, ks, vs, out); break;
+    case 4: decode<T, D, 4>(q, k, v, bt, cl, row_seq, scale, ks, vs, out); break;
+    case 8: decode<T, D, 8>(q, k, v, bt, cl, row_seq, scale, ks, vs, out); break;
+    default: decode<T, D, 0>(q, k, v, bt, cl, row_seq, scale, ks, vs, out);
   }
 }
 
 template <typename T>
 bool decode_for_head_dim(int64_t head_dim, int64_t group, const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& bt, const at::Tensor& cl, const int32_t* row_seq,
-                         float scale, at::Tensor& out) {
+                         float scale, const float* ks, const float* vs, at::Tensor& out) {
   switch (head_dim) {  // small head sizes (test models) share the run-time-group loop
-    case 16: decode<T, 16, 0>(q, k, v, bt, cl, row_seq, scale, out); return true;
-    case 32: decode<T, 32, 0>(q, k, v, bt, cl, row_seq, scale, out); return true;
-    case 64: decode_for_group<T, 64>(group, q, k, v, bt, cl, row_seq, scale, out); return true;
-    case 128: decode_for_group<T, 128>(group, q, k, v, bt, cl, row_seq, scale, out); return true;
+    case 16: decode<T, 16, 0>(q, k, v, bt, cl, row_seq, scale, ks, vs, out); return true;
+    case 32: decode<T, 32, 0>(q, k, v, bt, cl, row_seq, scale, ks, vs, out); return true;
+    case 64: decode_for_group<T, 64>(group, q, k, v, bt, cl, row_seq, scale, ks, vs, out); return true;
+    case 128: decode_for_group<T, 128>(group, q, k, v, bt, cl, row_seq, scale, ks, vs, out); return true;
     default: return false;
   }
 }
@@ -303,7 +338,8 @@ namespace {
 
 at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& context_lens, const int32_t* row_seq,
-                       double scale) {
+                       double scale, const c10::optional<at::Tensor>& k_scales,
+                       const c10::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be contiguous fp32");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "K and V caches must be contiguous and of one dtype");
@@ -313,25 +349,49 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t head_dim = q.size(2), group = q.size(1) / k_cache.size(2);
   TORCH_CHECK(supports(head_dim, group, k_cache.size(1)), "no kernel for head_dim ", head_dim, ", group ", group,
               ", block size ", k_cache.size(1));
+  const auto dtype = k_cache.scalar_type();
+  const bool quantized = dtype == at::kChar || dtype == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_scales.has_value() == quantized && v_scales.has_value() == quantized,
+              quantized ? "a quantized (int8, fp8) cache needs its k_scales and v_scales"
+                        : "k_scales and v_scales belong to a quantized (int8, fp8) cache");
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (quantized) {
+    for (const at::Tensor* s : {&*k_scales, &*v_scales})
+      TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 3 &&
+                      s->size(0) == k_cache.size(0) && s->size(1) == k_cache.size(1) && s->size(2) == k_cache.size(2),
+                  "scales must be contiguous fp32 [num_blocks, block_size, num_kv_heads]");
+    ks = k_scales->data_ptr<float>();
+    vs = v_scales->data_ptr<float>();
+  }
   at::Tensor out = at::empty_like(q);
   bool done = false;
-  if (k_cache.scalar_type() == at::kFloat)
+  if (dtype == at::kFloat)
     done = decode_for_head_dim<float>(head_dim, group, q, k_cache, v_cache, block_tables, context_lens, row_seq,
-                                      float(scale), out);
-  else if (k_cache.scalar_type() == at::kBFloat16)
+                                      float(scale), ks, vs, out);
+  else if (dtype == at::kBFloat16)
     done = decode_for_head_dim<uint16_t>(head_dim, group, q, k_cache, v_cache, block_tables, context_lens, row_seq,
-                                         float(scale), out);
-  TORCH_CHECK(done, "no kernel for cache dtype ", k_cache.scalar_type());
+                                         float(scale), ks, vs, out);
+  else if (dtype == at::kChar)
+    done = decode_for_head_dim<int8_t>(head_dim, group, q, k_cache, v_cache, block_tables, context_lens, row_seq,
+                                       float(scale), ks, vs, out);
+  else if (dtype == at::kFloat8_e4m3fn)
+    done = decode_for_head_dim<vec::fp8_e4m3>(head_dim, group, q, k_cache, v_cache, block_tables, context_lens,
+                                              row_seq, float(scale), ks, vs, out);
+  TORCH_CHECK(done, "no kernel for cache dtype ", dtype);
   return out;
 }
 
 }  // namespace
 
-// q fp32 [seqs, heads, d]; caches fp32 or bf16 [blocks, block_size, kv_heads, d], contiguous;
+// q fp32 [seqs, heads, d]; caches fp32, bf16, int8 or fp8 e4m3 [blocks, block_size, kv_heads, d],
+// contiguous (the quantized ones with their fp32 scales [blocks, block_size, kv_heads], else None);
 // block_tables int32 [seqs, max_blocks]; context_lens int32 [seqs]. Returns fp32 [seqs, heads, d].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  return attend_rows(q, k_cache, v_cache, block_tables, context_lens, nullptr, scale);
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  const c10::optional<at::Tensor>& k_scales,
+                                  const c10::optional<at::Tensor>& v_scales) {
+  return attend_rows(q, k_cache, v_cache, block_tables, context_lens, nullptr, scale, k_scales, v_scales);
 }
 
 // Prefill as independent query rows: row r of q attends to the first row_lens[r] tokens of
@@ -340,9 +400,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // only the causal half and reads the cache in place, no gather.
 at::Tensor paged_prefill_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& block_tables, const at::Tensor& row_lens,
-                                        const at::Tensor& row_seq, double scale) {
+                                        const at::Tensor& row_seq, double scale,
+                                        const c10::optional<at::Tensor>& k_scales,
+                                        const c10::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(row_seq.scalar_type() == at::kInt && row_seq.is_contiguous() && row_seq.numel() == q.size(0) &&
                   row_lens.numel() == q.size(0),
               "row_seq and row_lens must be contiguous int32, one per query row");
-  return attend_rows(q, k_cache, v_cache, block_tables, row_lens, row_seq.data_ptr<int32_t>(), scale);
+  return attend_rows(q, k_cache, v_cache, block_tables, row_lens, row_seq.data_ptr<int32_t>(), scale, k_scales,
+                     v_scales);
 }

@@ -21,6 +21,15 @@
 // bf16 numbers are passed as their 16 bits (uint16_t): a bf16 number is the high half of the
 // fp32 number with the same bits, so widening is a shift, and narrowing rounds to nearest even.
 //
+// A quantized KV cache (kernels/kv_quant.py) holds one byte per number, read here only (the
+// cache write quantizes in torch or Triton): int8_t, widened exactly; and fp8_e4m3 (a byte:
+// sign, 4 exponent bits with bias 7, 3 mantissa bits; torch.float8_e4m3fn), decoded field by
+// field (fp8_to_fp32): a normal byte's exponent and mantissa move into an fp32 number's fields,
+// exponent + 120 (127 - 7); a subnormal one (exponent 0) is mantissa * 2^-9, computed as a
+// small whole number times 2^-9. Every fp8 value is exact in fp32, so all three versions give
+// the same bits, and no fp32 subnormal appears on the way (those a CPU may flush to zero).
+// The byte 0x7f (NaN in e4m3fn) reads as 480: the cache write never stores it (|x| <= 448).
+//
 // exp: the AVX-512 and AVX2 versions are one algorithm, exp(x) = 2^n exp(r) with n = round(x /
 // ln 2) and |r| <= ln(2)/2, exp(r) by Cephes' degree-6 polynomial (expf.c). Against exp in
 // double precision: within 2 ulp for x in [-87, 88] (tests/test_cpu_vec.py measures it on a
@@ -65,7 +74,13 @@
 
 namespace vec {
 
-// ---- scalars: bf16 <-> fp32 -----------------------------------------------------------------
+// One fp8 e4m3 number, its byte as it is stored; a type of its own so that a byte of fp8 is
+// never mistaken for a byte of int8 (both are one byte; they mean different numbers).
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+
+// ---- scalars: bf16 <-> fp32, and the quantized cache's bytes -> fp32 -------------------------
 
 VEC_INLINE float to_float(float x) { return x; }
 VEC_INLINE float to_float(uint16_t bits) {  // bf16 -> fp32: the 16 bits become the high half
@@ -73,6 +88,19 @@ VEC_INLINE float to_float(uint16_t bits) {  // bf16 -> fp32: the 16 bits become 
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+VEC_INLINE float to_float(int8_t x) { return float(x); }
+VEC_INLINE float to_float(fp8_e4m3 x) {  // the definition of fp8_to_fp32 below
+  const uint32_t em = x.bits & 0x7fu;  // exponent and mantissa, without the sign
+  float magnitude;
+  if (em < 8) {  // exponent 0: subnormal, mantissa * 2^-9
+    magnitude = float(em) * (1.f / 512.f);
+  } else {
+    const uint32_t u = (em << 20) + (120u << 23);  // the fields in place, exponent rebiased
+    std::memcpy(&magnitude, &u, sizeof magnitude);
+  }
+  return (x.bits & 0x80u) ? -magnitude : magnitude;
 }
 
 VEC_INLINE uint16_t to_bf16(float x) {  // fp32 -> bf16, rounded to nearest even
@@ -103,6 +131,15 @@ VEC_INLINE __m512i bf16_rounded(__m512 x) {
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   return _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
 }
+// 16 fp8 e4m3 bytes, one per 32-bit lane -> fp32 (to_float(fp8_e4m3), lane by lane)
+VEC_INLINE __m512 fp8_to_fp32(__m512i b) {
+  const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.f / 512.f));
+  const __m512 magnitude = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), normal, subnormal);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(magnitude), sign));
+}
 }  // namespace detail
 
 struct Vec16 {
@@ -115,6 +152,12 @@ struct Vec16 {
   static VEC_INLINE Vec16 load(const uint16_t* p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+  }
+  static VEC_INLINE Vec16 load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static VEC_INLINE Vec16 load(const fp8_e4m3* p) {
+    return {detail::fp8_to_fp32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
   }
   VEC_INLINE void store(float* p) const { _mm512_storeu_ps(p, r); }
   VEC_INLINE void store(uint16_t* p) const {
@@ -181,6 +224,20 @@ namespace detail {
 VEC_INLINE __m256 widen_bf16(__m128i bits) {  // 8 bf16 -> 8 fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
+VEC_INLINE __m128i load8_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+VEC_INLINE __m256 widen_int8(__m128i bytes) {  // the low 8 int8 -> 8 fp32
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+VEC_INLINE __m256 widen_fp8(__m128i bytes) {  // the low 8 fp8 e4m3 -> 8 fp32 (to_float(fp8_e4m3), lane by lane)
+  const __m256i b = _mm256_cvtepu8_epi32(bytes);
+  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.f / 512.f));
+  const __m256 is_subnormal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
+  const __m256 magnitude = _mm256_blendv_ps(normal, subnormal, is_subnormal);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(magnitude), sign));
+}
 // fp32 bits rounded to the nearest bf16 (ties to even): the high 16 bits are then the bf16 number
 VEC_INLINE __m256i bf16_rounded(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
@@ -237,6 +294,12 @@ struct Vec16 {
   static VEC_INLINE Vec16 load(const uint16_t* p) {
     return {detail::widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
             detail::widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  static VEC_INLINE Vec16 load(const int8_t* p) {
+    return {detail::widen_int8(detail::load8_bytes(p)), detail::widen_int8(detail::load8_bytes(p + 8))};
+  }
+  static VEC_INLINE Vec16 load(const fp8_e4m3* p) {
+    return {detail::widen_fp8(detail::load8_bytes(p)), detail::widen_fp8(detail::load8_bytes(p + 8))};
   }
   VEC_INLINE void store(float* p) const {
     _mm256_storeu_ps(p, lo);

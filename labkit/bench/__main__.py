@@ -27,6 +27,7 @@ COMMANDS = {
     "structured": "grammar-constrained decoding: mask cost, tok/s with and without, jump-forward, validity",
     "spec": "speculative decoding (n-gram, draft layers) against none, by workload and batch size (minutes)",
     "startup": "how long the CLI's --help and labkit's imports take in a fresh process",
+    "kv-dtype": "quantized KV cache (int8, fp8) vs unquantized: tok/s, greedy agreement, logit distance (minutes)",
 }
 
 

@@ -23,10 +23,16 @@ Builds shared by several shapes compile once. The compile runs in worker process
 interpreter cannot compile them) and a fresh temporary Triton cache, deleted afterwards:
 nothing lands in the repository, nothing is reused from an earlier run.
 
+Quantized KV caches (``kv_cache_dtype`` "int8" and "fp8": ``labkit/kernels/kv_quant.py``) are
+one more axis: the cache write, decode and prefill kernels read and write int8 or fp8 e4m3
+bytes with their scales, a build of their own. int8 on every target; fp8 from sm_89 (the L4,
+the H100: Triton's fp8e4nv needs the fp8 conversion instructions those GPUs have, and the
+engine refuses fp8 with the triton backend below them).
+
 ``--quick`` is the subset the CI test compiles (tests/test_gpu_compile.py): every kernel,
 target and dtype, on the default model's shape and two grid shapes that together span the
-head dims, GQA groups and block sizes. The default is the full matrix (docs/gpu.md has its
-figures and how long it takes).
+head dims, GQA groups and block sizes, and the quantized caches on the first of those shapes.
+The default is the full matrix (docs/gpu.md has its figures and how long it takes).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Target:
     arch: int                     # compute capability as Triton spells it: 75, 80, 89, 90
     gpu: str                      # the GPU students get with it
     dtypes: tuple[str, ...]       # what the engine runs there
+    kv_dtypes: tuple[str, ...]    # the KV cache dtypes it runs there ("auto": the model's)
     num_sms: int                  # multiprocessors: the split-decode choice depends on it
     max_shared: int               # shared memory a block may use, opt-in maximum (bytes)
     shared_per_sm: int
@@ -72,12 +79,14 @@ class Target:
 
 
 TARGETS = {t.name: t for t in (
-    Target("sm_75", 75, "T4", ("fp16", "fp32"), 40, 64 << 10, 64 << 10, 32, 16, reserved_shared=0),
-    Target("sm_80", 80, "A100", ("fp16", "bf16", "fp32"), 108, 163 << 10, 164 << 10, 64, 32),
-    Target("sm_89", 89, "L4", ("fp16", "bf16", "fp32"), 58, 99 << 10, 100 << 10, 48, 24),
-    Target("sm_90", 90, "H100", ("fp16", "bf16", "fp32"), 132, 227 << 10, 228 << 10, 64, 32),
+    Target("sm_75", 75, "T4", ("fp16", "fp32"), ("auto", "int8"), 40, 64 << 10, 64 << 10, 32, 16, reserved_shared=0),
+    Target("sm_80", 80, "A100", ("fp16", "bf16", "fp32"), ("auto", "int8"), 108, 163 << 10, 164 << 10, 64, 32),
+    Target("sm_89", 89, "L4", ("fp16", "bf16", "fp32"), ("auto", "int8", "fp8"), 58, 99 << 10, 100 << 10, 48, 24),
+    Target("sm_90", 90, "H100", ("fp16", "bf16", "fp32"), ("auto", "int8", "fp8"), 132, 227 << 10, 228 << 10,
+           64, 32),
 )}
 DTYPES = ("fp16", "bf16", "fp32")
+KV_DTYPES = ("auto", "int8", "fp8")   # kv_cache_dtype: the model's dtype, or quantized (kernels/kv_quant.py)
 HEAD_DIMS = (64, 96, 128)
 GROUPS = tuple(range(1, 9))
 BLOCK_SIZES = (8, 16, 32, 64)
@@ -140,9 +149,10 @@ def matrix_shapes(models: list[str], head_dims, groups, block_sizes, quick: bool
 # imported with TRITON_INTERPRET=0.
 
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+TORCH_KV_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}
 
 
-def engine_launches(shape: Shape, dtype: str, target: Target) -> list:
+def engine_launches(shape: Shape, dtype: str, target: Target, kv_dtype: str = "auto") -> list:
     """The launches the engine makes for ``shape`` on ``target`` (its multiprocessors and
     compute capability choose the split and the prefill tile), planned by the kernels' own
     code on ``meta`` tensors laid out as ``labkit.model.llama.Attention`` passes them: q and k are views of the rotated
@@ -151,7 +161,8 @@ def engine_launches(shape: Shape, dtype: str, target: Target) -> list:
 
     Scenarios: the cache write of a prefill chunk; decode at batch 256 (one program per
     sequence and KV head) and at batch 1 over 4096 tokens (where the plan splits the context
-    when the GPU has idle multiprocessors); a 512-token prefill chunk."""
+    when the GPU has idle multiprocessors); a 512-token prefill chunk. ``kv_dtype`` "int8" or
+    "fp8": the same over a quantized cache, with its scales laid out as ``KVCache.scales``."""
     import torch
 
     from labkit.kernels.paged_decode_attention import plan_decode
@@ -167,8 +178,13 @@ def engine_launches(shape: Shape, dtype: str, target: Target) -> list:
         qk = torch.empty(tokens, H + KV, d, dtype=dt, **meta)        # apply_rope's output
         return qk[:, :H], qk[:, H:], qkv[:, H + KV:]
 
-    cache = torch.empty(2, 2, 4096, bs, KV, d, dtype=dt, **meta)
+    cache_dt = getattr(torch, TORCH_KV_DTYPES[kv_dtype]) if kv_dtype != "auto" else dt
+    cache = torch.empty(2, 2, 4096, bs, KV, d, dtype=cache_dt, **meta)
     k_cache, v_cache = cache[1, 0], cache[1, 1]
+    quant = {}
+    if kv_dtype != "auto":
+        scales = torch.empty(2, 2, 4096, bs, KV, dtype=torch.float32, **meta)
+        quant = dict(k_scales=scales[1, 0], v_scales=scales[1, 1])
     scale = d ** -0.5
 
     def index(rows: int, context: int):
@@ -178,17 +194,17 @@ def engine_launches(shape: Shape, dtype: str, target: Target) -> list:
     launches = []
     q, k, v = activations(512)
     slots = torch.empty(512, dtype=torch.int64, **meta)
-    launches.append(plan_reshape_and_cache(k, v, k_cache, v_cache, slots))
+    launches.append(plan_reshape_and_cache(k, v, k_cache, v_cache, slots, **quant))
     for batch, context in ((256, 1024), (1, 4096)):
         q = activations(batch)[0]
         tables, lens = index(batch, context)
         launches += plan_decode(torch.empty_like(q), q, k_cache, v_cache, tables, lens, scale,
-                                num_sms=target.num_sms)
+                                num_sms=target.num_sms, **quant)
     q = activations(512)[0]
     tables, lens = index(1, 1024)
     starts = torch.empty(2, dtype=torch.int32, **meta)
     launches.append(plan_prefill(torch.empty_like(q), q, k_cache, v_cache, tables, lens, starts, scale, 512,
-                                 capability=divmod(target.arch, 10)))
+                                 capability=divmod(target.arch, 10), **quant))
     unique = {}
     for launch in launches:                 # decode may plan the same kernel in both scenarios
         unique.setdefault((launch.name, tuple(sorted(launch.constexprs.items()))), launch)
@@ -256,25 +272,27 @@ def _first_lines(text: str, n: int = 6) -> str:
 
 
 def compile_unit(unit: dict) -> list[dict]:
-    """Every launch of ``unit`` (one target, one dtype, shapes of one head dim)."""
+    """Every launch of ``unit`` (one target, one dtype, one KV cache dtype, shapes of one head dim)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
     target = TARGETS[unit["target"]]
     rows = []
+    kv_of = unit.get("kv_dtypes") or {}     # shape label -> its KV cache dtypes (default: the model's)
     # The worker only compiles: its Triton talks to the stand-in from here on (without a GPU
     # there is no real driver to go back to).
     driver.set_active(_TargetDriver(GPUTarget("cuda", target.arch, 32)))
     for fields in unit["shapes"]:
         shape = Shape(**fields)
-        where = {"target": target.name, "gpu": target.gpu, "dtype": unit["dtype"], "shape": shape.label,
-                 **asdict(shape)}
-        try:
-            launches = engine_launches(shape, unit["dtype"], target)
-        except Exception as e:  # noqa: BLE001 - a shape the launchers refuse is a result too
-            rows.append({**where, "kernel": "(plan)", "error": f"{type(e).__name__}: {_first_lines(str(e))}"})
-            continue
-        rows += [{**where, **compile_launch(launch)} for launch in launches]
+        for kv_dtype in kv_of.get(shape.label, ["auto"]):
+            where = {"target": target.name, "gpu": target.gpu, "dtype": unit["dtype"], "kv_dtype": kv_dtype,
+                     "shape": shape.label, **asdict(shape)}
+            try:
+                launches = engine_launches(shape, unit["dtype"], target, kv_dtype)
+            except Exception as e:  # noqa: BLE001 - a shape the launchers refuse is a result too
+                rows.append({**where, "kernel": "(plan)", "error": f"{type(e).__name__}: {_first_lines(str(e))}"})
+                continue
+            rows += [{**where, **compile_launch(launch)} for launch in launches]
     return rows
 
 
@@ -349,16 +367,29 @@ def judge(row: dict) -> dict:
             "shared_limit": target.max_shared}
 
 
-def plan_units(shapes: list[Shape], targets: list[str], dtypes: list[str]) -> list[dict]:
-    """Work units: one target, one dtype, the shapes of one head dim (builds of different
-    units never coincide, so each worker's in-memory cache dedupes what can be deduped)."""
+def plan_units(shapes: list[Shape], targets: list[str], dtypes: list[str], kv_dtypes=KV_DTYPES,
+               quantized_shapes: list[Shape] | None = None) -> list[dict]:
+    """Work units: one target, one dtype, the shapes of one head dim, each with the KV cache
+    dtypes it compiles for (``kv_dtypes``: the quantized ones on ``quantized_shapes``, None:
+    every shape, and only on targets that run them, ``Target.kv_dtypes``). Builds of
+    different units never coincide (a kernel that reads no cache, the split decode's reduce,
+    is the same build whatever the cache: it stays within its unit), so each worker's
+    in-memory cache dedupes what can be deduped."""
+    quantized_labels = {s.label for s in (shapes if quantized_shapes is None else quantized_shapes)}
     units = []
     for t in targets:
         for dt in dtypes:
             if dt not in TARGETS[t].dtypes:
                 continue
+            runs = [kv for kv in kv_dtypes if kv in TARGETS[t].kv_dtypes]
             for d in sorted({s.head_dim for s in shapes}):
-                units.append({"target": t, "dtype": dt, "shapes": [asdict(s) for s in shapes if s.head_dim == d]})
+                these = [s for s in shapes if s.head_dim == d]
+                kv_of = {s.label: [kv for kv in runs if kv == "auto" or s.label in quantized_labels]
+                         for s in these}
+                these = [s for s in these if kv_of[s.label]]
+                if these:
+                    units.append({"target": t, "dtype": dt, "shapes": [asdict(s) for s in these],
+                                  "kv_dtypes": {s.label: kv_of[s.label] for s in these}})
     return units
 
 
@@ -419,12 +450,13 @@ def summarize(rows: list[dict]) -> list[dict]:
     """One line per kernel x target x dtype: builds, the worst resources, the statuses."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["kernel"], r["target"], r["dtype"]), []).append(r)
+        groups.setdefault((r["kernel"], r["target"], r["dtype"], r.get("kv_dtype", "auto")), []).append(r)
     lines = []
-    for (kernel, target, dtype), rs in sorted(groups.items()):
+    for (kernel, target, dtype, kv_dtype), rs in sorted(groups.items()):
         built = [r for r in rs if "error" not in r]
         lines.append({
-            "kernel": kernel, "target": target, "gpu": TARGETS[target].gpu, "dtype": dtype, "shapes": len(rs),
+            "kernel": kernel, "target": target, "gpu": TARGETS[target].gpu, "dtype": dtype, "kv_dtype": kv_dtype,
+            "shapes": len(rs),
             "builds": len({r["build"] for r in built}),
             "max_shared": max((r["shared"] + r["static_shared"] for r in built), default=0),
             "shared_limit": TARGETS[target].max_shared,
@@ -438,7 +470,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def format_table(summary: list[dict]) -> str:
-    head = (f"{'kernel':<22} {'target':<6} {'gpu':<5} {'dtype':<5} {'shapes':>6} {'builds':>6}  "
+    head = (f"{'kernel':<22} {'target':<6} {'gpu':<5} {'dtype':<5} {'kv':<4} {'shapes':>6} {'builds':>6}  "
             f"{'shared max / limit':>20}  {'registers':>9}  {'spills':>6}  {'occupancy':>9}  status")
     lines = [head, "-" * len(head)]
     for s in summary:
@@ -446,7 +478,8 @@ def format_table(summary: list[dict]) -> str:
         low, high = s["registers"]
         regs = f"{low}-{high}" if low != high else str(low)
         status = ", ".join(f"{n} {k}" for k, n in s["statuses"].items())
-        lines.append(f"{s['kernel']:<22} {s['target']:<6} {s['gpu']:<5} {s['dtype']:<5} {s['shapes']:>6} "
+        lines.append(f"{s['kernel']:<22} {s['target']:<6} {s['gpu']:<5} {s['dtype']:<5} {s['kv_dtype']:<4} "
+                     f"{s['shapes']:>6} "
                      f"{s['builds']:>6}  {shared:>20}  {regs:>9}  {s['max_spill_stores']:>5}B  "
                      f"{s['min_occupancy']:>9.0%}  {status}")
     return "\n".join(lines)
@@ -466,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the CI test's subset: 3 shapes instead of the full grid")
     p.add_argument("--targets", help=f"comma-separated, from {','.join(TARGETS)} (default: all)")
     p.add_argument("--dtypes", help="comma-separated, from fp16,bf16,fp32 (default: each target's)")
+    p.add_argument("--kv-dtypes", help="KV cache dtypes, comma-separated, from auto,int8,fp8 (default: each "
+                                       "target's; --quick compiles the quantized ones on its first shape)")
     p.add_argument("--head-dims", help="grid head dims (default 64,96,128)")
     p.add_argument("--groups", help="grid GQA groups, query heads per KV head (default 1..8)")
     p.add_argument("--block-sizes", help="block sizes (default 8,16,32,64)")
@@ -481,10 +516,12 @@ def main(argv: list[str] | None = None) -> int:
 
     targets = _csv(str, args.targets, TARGETS)
     dtypes = _csv(str, args.dtypes, DTYPES)
-    bad = [t for t in targets if t not in TARGETS] + [d for d in dtypes if d not in DTYPES]
-    if bad or not targets or not dtypes or args.jobs < 1:
+    kv_dtypes = _csv(str, args.kv_dtypes, KV_DTYPES)
+    bad = ([t for t in targets if t not in TARGETS] + [d for d in dtypes if d not in DTYPES]
+           + [k for k in kv_dtypes if k not in KV_DTYPES])
+    if bad or not targets or not dtypes or not kv_dtypes or args.jobs < 1:
         print(f"gpu-compile: unknown target or dtype {bad}; targets: {', '.join(TARGETS)}; dtypes: "
-              f"{', '.join(DTYPES)}; --jobs >= 1", file=sys.stderr)
+              f"{', '.join(DTYPES)}; kv dtypes: {', '.join(KV_DTYPES)}; --jobs >= 1", file=sys.stderr)
         return 2
     try:
         head_dims, groups, block_sizes = (_csv(int, v, d) for v, d in ((args.head_dims, HEAD_DIMS),
@@ -496,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     from labkit.model.loader import DEFAULT_MODEL
     models = [] if args.no_model else (args.model or [DEFAULT_MODEL])
     shapes, notes = matrix_shapes(models, head_dims, groups, block_sizes, args.quick)
-    units = plan_units(shapes, targets, dtypes)
+    units = plan_units(shapes, targets, dtypes, kv_dtypes, shapes[:1] if args.quick else None)
     if not units:
         print("gpu-compile: nothing to compile (no target runs those dtypes)", file=sys.stderr)
         return 2
@@ -513,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
               end="" if tty and done[0] < len(units) else "\n", file=sys.stderr, flush=True)
 
     rows, errors, cache = run_workers(units, args.jobs, progress)
-    rows = sorted((judge(r) for r in rows), key=lambda r: (r["target"], r["dtype"], r["kernel"], r["shape"]))
+    rows = sorted((judge(r) for r in rows),
+                  key=lambda r: (r["target"], r["dtype"], r.get("kv_dtype", "auto"), r["kernel"], r["shape"]))
     report = {"meta": {"triton": importlib.metadata.version("triton"), "seconds": round(time.perf_counter() - t0, 1),
                        "jobs": args.jobs, "quick": args.quick, "shapes": [s.label for s in shapes],
                        "skipped": notes, "cache_dir": cache, "targets": {t: asdict(TARGETS[t]) for t in targets}},
@@ -526,8 +564,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def failures(rows: list[dict]) -> list[str]:
     """One line per build that does not compile or would not launch."""
-    return [f"{r['kernel']} {r['target']} {r['dtype']} {r['shape']}: {r.get('error') or '; '.join(r['problems'])}"
+    return [f"{r['kernel']} {r['target']} {r['dtype']}{_kv_label(r)} {r['shape']}: "
+            f"{r.get('error') or '; '.join(r['problems'])}"
             for r in rows if r["status"] in ("compile error", "no launch")]
+
+
+def _kv_label(row: dict) -> str:
+    """'' for a cache in the model's dtype, ' kv int8' / ' kv fp8' for a quantized one."""
+    kv = row.get("kv_dtype", "auto")
+    return "" if kv == "auto" else f" kv {kv}"
 
 
 def report_text(report: dict) -> str:

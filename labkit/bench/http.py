@@ -10,6 +10,10 @@ request so that the prefix cache does not help. Reported: output tokens/s and re
 over the level's wall time, time to first token (TTFT: send -> first token) and time per
 output token (TPOT: first -> last token, per token after the first), p50 and p99.
 
+``--vs-vllm`` starts ``labkit serve`` and then ``vllm serve`` on loopback and measures both with
+vLLM's own client, ``vllm bench serve``, at concurrency 1, 8 and 32 by default: tok/s, TTFT and
+TPOT (mean, p99) and labkit / vLLM for each, in one run (``labkit.bench.http_vllm``).
+
 Loopback only: the benchmark refuses other hosts. With ``--model`` it runs
 ``python -m labkit serve`` in a subprocess on a free loopback port, and stops it after.
 
@@ -137,6 +141,8 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, p
         "output_tok_per_s": tokens / wall if wall else 0.0, "req_per_s": len(ok) / wall if wall else 0.0,
         "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "tpot_p50_ms": _ms(percentile(tpot, 50)), "tpot_p99_ms": _ms(percentile(tpot, 99)),
+        "ttft_mean_ms": _ms(statistics.fmean(ttft)) if ttft else None,
+        "tpot_mean_ms": _ms(statistics.fmean(tpot)) if tpot else None,
     }
 
 
@@ -688,6 +694,42 @@ def classroom_main(args, c: Classroom) -> int:
     return 0 if ok else 1
 
 
+def _levels(text: str, p: argparse.ArgumentParser) -> list[int]:
+    """``--concurrency``'s levels, or a usage error."""
+    try:
+        levels = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        p.error(f"--concurrency takes integers like 1,4,16: {text!r}")
+    if not levels or min(levels) < 1:
+        p.error("--concurrency levels must be >= 1")
+    return levels
+
+
+def vs_vllm_main(args, p: argparse.ArgumentParser) -> int:
+    """``--vs-vllm``: both servers in turn (``labkit.bench.http_vllm``); print the report.
+    Exit status 0 when every level of every server that ran completed without a failure.
+    ``--breakdown``: the phases of online and offline steps (``labkit.bench.http_breakdown``)."""
+    from . import http_vllm
+    w = http_vllm.QUICK if args.quick else http_vllm.Workload()
+    w = http_vllm.Workload(
+        levels=tuple(_levels(args.concurrency, p)) if args.concurrency else w.levels,
+        num_prompts=args.num_requests or w.num_prompts, input_len=args.prompt_len or w.input_len,
+        output_len=args.max_tokens or w.output_len, dtype=args.dtype, seed=args.seed)
+    args.rounds = 1 if args.rounds is None else args.rounds
+    if min(w.num_prompts, w.input_len, w.output_len, args.rounds) < 1:
+        p.error("--num-requests, --prompt-len, --max-tokens and --rounds must be >= 1")
+    if args.breakdown:
+        from . import http_breakdown
+        b = http_breakdown.run_breakdown(args.model or "smollm2-135m", w, not args.no_vllm, args.dtype)
+        print(json.dumps(b, indent=2) if args.json else http_breakdown.format_breakdown(b))
+        return 0
+    r = http_vllm.compare(args.model or "smollm2-135m", w, with_vllm=not args.no_vllm, eager=args.vllm_eager,
+                          labkit_args=shlex.split(args.server_args), other_srcs=args.labkit_src,
+                          rounds=args.rounds)
+    print(json.dumps(r, indent=2) if args.json else http_vllm.format_report(r))
+    return 0 if http_vllm.succeeded(r) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m labkit.bench http", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -696,13 +738,33 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--model", default=None,
                        help="start a server with this model for the run (tiny-llama, smollm2-135m, ...)")
     p.add_argument("--server-args", default="", help="extra options for the started server, e.g. '--num-blocks 512'")
-    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated client counts (default 1,4,16,64; with --vs-vllm 1,8,32)")
     p.add_argument("--num-requests", type=int, default=None,
-                   help="requests per level (default: 4 x concurrency, at least 8)")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (exact: ignore_eos)")
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+                   help="requests per level (default: 4 x concurrency, at least 8; with --vs-vllm 32)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="output tokens per request, exact: ignore_eos (default 64; with --vs-vllm 32)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="prompt tokens per request (default 64; with --vs-vllm 128)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    v = p.add_argument_group("--vs-vllm: labkit serve and vllm serve in turn, measured by vLLM's own client")
+    v.add_argument("--vs-vllm", action="store_true",
+                   help="start labkit serve, then vllm serve (--model, default smollm2-135m), and run "
+                        "`vllm bench serve` against each at every level (labkit.bench.http_vllm)")
+    v.add_argument("--no-vllm", action="store_true",
+                   help="skip the vLLM half (it is skipped, with the reason, when vLLM cannot run here)")
+    v.add_argument("--vllm-eager", action="store_true",
+                   help="vllm serve --enforce-eager: starts faster, runs slower than its default (compiled)")
+    v.add_argument("--dtype", default="float32", help="both servers' dtype (default float32)")
+    v.add_argument("--labkit-src", metavar="DIR", action="append", default=[],
+                   help="also run labkit serve from DIR, another checkout (e.g. `git archive` of an older "
+                        "commit), first, as labkit@DIRNAME: before and after in the same run (repeatable)")
+    v.add_argument("--quick", action="store_true",
+                   help="a small workload (levels 1,2; 4 prompts of 16 tokens, 4 output tokens), for tests")
+    v.add_argument("--breakdown", action="store_true",
+                   help="where an online step's time goes, phase by phase, beside the same engine offline at "
+                        "the same concurrency (labkit.bench.http_breakdown; the --vs-vllm workload)")
     k = p.add_argument_group("--classroom: a class sharing one server, with and without a misbehaving key")
     k.add_argument("--classroom", action="store_true",
                    help="run the classroom scenario (starts its own server: --model, default tiny-llama)")
@@ -710,9 +772,10 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--students", type=int, default=default.num_keys, help="polite keys (default %(default)s)")
     k.add_argument("--requests-per-student", type=int, default=default.requests_per_key,
                    help="streaming requests per student (default %(default)s)")
-    k.add_argument("--rounds", type=int, default=3,
-                   help="rounds of (students alone, beside each worst request), each compared with its own "
-                        "baseline; the ratios' median is reported (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="--classroom: rounds of (students alone, beside each worst request), each compared with "
+                        "its own baseline (default 3); --vs-vllm: measure everything this many times, the servers "
+                        "in the opposite order every other round (default 1). The ratios' median is reported")
     k.add_argument("--worst", default=",".join(default.worst),
                    help="worst-request phases to run, of stop, generate, score (default: all three) or none")
     k.add_argument("--cap", type=int, default=default.cap,
@@ -727,16 +790,19 @@ def main(argv: list[str] | None = None) -> int:
         worst = tuple(w.strip() for w in args.worst.split(",") if w.strip() and w.strip() != "none")
         if any(w not in ("stop", "generate", "score") for w in worst):
             p.error(f"--worst takes stop, generate, score or none, got {args.worst!r}")
+        args.rounds = 3 if args.rounds is None else args.rounds
         if args.rounds < 1:
             p.error("--rounds must be >= 1")
         return classroom_main(args, Classroom(num_keys=args.students, requests_per_key=args.requests_per_student,
                                               cap=args.cap, worst=worst, rounds=args.rounds))
-    try:
-        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    except ValueError:
-        p.error(f"--concurrency takes integers like 1,4,16: {args.concurrency!r}")
-    if not levels or min(levels) < 1:
-        p.error("--concurrency levels must be >= 1")
+    if args.vs_vllm or args.breakdown:
+        if args.url:
+            p.error("--vs-vllm and --breakdown start their servers themselves: use --model, not --url")
+        return vs_vllm_main(args, p)
+    args.concurrency = args.concurrency or "1,4,16,64"
+    args.max_tokens = args.max_tokens or 64
+    args.prompt_len = args.prompt_len or 64
+    levels = _levels(args.concurrency, p)
     if args.max_tokens < 1 or args.prompt_len < 1:
         p.error("--max-tokens and --prompt-len must be >= 1")
 

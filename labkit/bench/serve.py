@@ -21,7 +21,10 @@ has it); ``vllm`` (its CPU build lives in its own venv, ``make vllm-venv``, whos
 ``--python ENGINE=PATH`` runs any engine with another interpreter. An engine that fails is
 reported as skipped, with the reason.
 
-``--dtype float32|bfloat16`` goes to every engine (weights and KV cache). ``--contend`` times
+``--dtype float32|bfloat16`` goes to every engine (weights and KV cache). ``--kv-cache-dtype
+auto|fp8|int8`` quantizes labkit's KV cache and vLLM's (its CPU build: fp8 with a per-tensor
+scale, no int8: the engine is then skipped with the reason; ``labkit.vllm_port``;
+``python -m labkit.bench kv-dtype`` runs them side by side with accuracy). ``--contend`` times
 each engine a second time with one competing CPU-bound process running (a busy machine), and
 reports quiet and contended throughput and the ratios under each.
 
@@ -146,8 +149,10 @@ def _dtype(args) -> str:
 def prepare_labkit(w: dict, args) -> Prepared:
     from labkit import LLM, SamplingParams
     import labkit
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", None) or "auto"
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, kv_cache_memory=int(args.kv_gib * 2**30), dtype=_dtype(args))
+              enable_prefix_caching=False, kv_cache_memory=int(args.kv_gib * 2**30), dtype=_dtype(args),
+              kv_cache_dtype=kv_cache_dtype)
     reqs = w["requests"]
     prompts = [r["prompt_token_ids"] for r in reqs]
     logprobs = getattr(args, "logprobs", None)
@@ -160,7 +165,8 @@ def prepare_labkit(w: dict, args) -> Prepared:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     return Prepared(serve, labkit.__version__,
-                    f"{_dtype(args)}, {llm.stats()['attention_backend']} attention, block 16, max_num_seqs "
+                    f"{_dtype(args)}{'' if kv_cache_dtype == 'auto' else ', KV ' + kv_cache_dtype}, "
+                    f"{llm.stats()['attention_backend']} attention, block 16, max_num_seqs "
                     f"{args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}"
                     + (f", logprobs {logprobs}" if logprobs is not None else ""),
                     after=lambda: f"preemptions {llm.stats()['num_preemptions']}")
@@ -256,7 +262,9 @@ def prepare_vllm(w: dict, args) -> Prepared:
     from vllm import LLM as VLLM, SamplingParams as VSP
     if not args.model_dir:
         raise RuntimeError("vllm needs the model's checkpoint directory (--model-dir)")
-    llm = VLLM(args.model_dir, dtype=_dtype(args), max_model_len=2048, seed=0, enable_prefix_caching=False)
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", None) or "auto"     # vLLM's name: the parent mapped it
+    llm = VLLM(args.model_dir, dtype=_dtype(args), max_model_len=2048, seed=0, enable_prefix_caching=False,
+               kv_cache_dtype=kv_cache_dtype)
     reqs = w["requests"]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [VSP(max_tokens=int(r["max_tokens"]), temperature=0.0, ignore_eos=True) for r in reqs]
@@ -267,7 +275,8 @@ def prepare_vllm(w: dict, args) -> Prepared:
 
     # Without an explicit shutdown its ~6 GB of worker processes outlive this one.
     return Prepared(serve, vllm.__version__,
-                    f"{_dtype(args)}, V1 engine defaults, prefix caching off, "
+                    f"{_dtype(args)}{'' if kv_cache_dtype == 'auto' else ', kv_cache_dtype ' + kv_cache_dtype}, "
+                    "V1 engine defaults, prefix caching off, "
                     f"VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '(vLLM default)')}, "
                     f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', '(vLLM default)')}",
                     close=llm.llm_engine.engine_core.shutdown)
@@ -358,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default="labkit,hf-static", help=f"comma-separated, from {','.join(ENGINES)}")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV cache, for every engine")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the --dtype), fp8 or int8: labkit's quantized KV cache, and vLLM's nearest "
+                        "(labkit.vllm_port.vllm_kv_cache_dtype; its CPU build has fp8 only)")
     p.add_argument("--vllm-python", metavar="PATH", default=None,
                    help="the interpreter of vLLM's venv (make vllm-venv: .venv-vllm/bin/python)")
     p.add_argument("--python", metavar="ENGINE=PATH", action="append", default=[],
@@ -429,6 +441,12 @@ def child_command(engine: str, python: str | None, args, workload: str, out: str
             "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-gib", str(args.kv_gib),
             "--hf-batch-size", str(args.hf_batch_size), "--hf-cb-blocks", str(args.hf_cb_blocks)]
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
+    if kv_cache_dtype != "auto":      # vLLM gets its own name for it (ValueError where it has none)
+        if engine == "vllm":
+            from ..vllm_port import vllm_kv_cache_dtype
+            kv_cache_dtype = vllm_kv_cache_dtype(kv_cache_dtype, cpu=True)
+        rest += ["--kv-cache-dtype", kv_cache_dtype]
     if args.model_dir:
         rest += ["--model-dir", args.model_dir]
     if args.logprobs is not None:
@@ -627,7 +645,11 @@ def compare(args) -> int:
         results = {}
         for engine in engines:
             out = os.path.join(tmp, f"{engine}.json")
-            cmd = child_command(engine, pythons.get(engine), args, os.path.abspath(workload), out)
+            try:
+                cmd = child_command(engine, pythons.get(engine), args, os.path.abspath(workload), out)
+            except ValueError as e:     # e.g. a kv_cache_dtype this engine does not have
+                results[engine] = {"skipped": str(e)}
+                continue
             print(f"[bench serve] running {engine}{' with ' + pythons[engine] if engine in pythons else ''} ...",
                   file=sys.stderr)
             returncode, printed = run_child(cmd, capture=args.json, cwd=tmp if engine in pythons else None,

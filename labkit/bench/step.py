@@ -41,21 +41,21 @@ class _TimedOps:
     def __init__(self, ops):
         self.ops, self.name, self.seconds, self.cpu_seconds = ops, getattr(ops, "name", "ops"), 0.0, 0.0
 
-    def _timed(self, fn, *a):
+    def _timed(self, fn, *a, **kw):      # kw: a quantized cache's k_scales, v_scales
         t0, c0 = time.perf_counter(), time.process_time()
-        out = fn(*a)
+        out = fn(*a, **kw)
         self.seconds += time.perf_counter() - t0
         self.cpu_seconds += time.process_time() - c0
         return out
 
-    def reshape_and_cache(self, *a):
-        return self._timed(self.ops.reshape_and_cache, *a)
+    def reshape_and_cache(self, *a, **kw):
+        return self._timed(self.ops.reshape_and_cache, *a, **kw)
 
-    def decode(self, *a):
-        return self._timed(self.ops.decode, *a)
+    def decode(self, *a, **kw):
+        return self._timed(self.ops.decode, *a, **kw)
 
-    def prefill(self, *a):
-        return self._timed(self.ops.prefill, *a)
+    def prefill(self, *a, **kw):
+        return self._timed(self.ops.prefill, *a, **kw)
 
     @property
     def fused(self):
@@ -133,18 +133,18 @@ class _ProfiledOps:
     def __init__(self, ops):
         self.ops, self.name = ops, getattr(ops, "name", "ops")
 
-    def _labelled(self, fn, *a):
+    def _labelled(self, fn, *a, **kw):   # kw: a quantized cache's k_scales, v_scales
         with torch.profiler.record_function(_ATTENTION):
-            return fn(*a)
+            return fn(*a, **kw)
 
-    def reshape_and_cache(self, *a):
-        return self._labelled(self.ops.reshape_and_cache, *a)
+    def reshape_and_cache(self, *a, **kw):
+        return self._labelled(self.ops.reshape_and_cache, *a, **kw)
 
-    def decode(self, *a):
-        return self._labelled(self.ops.decode, *a)
+    def decode(self, *a, **kw):
+        return self._labelled(self.ops.decode, *a, **kw)
 
-    def prefill(self, *a):
-        return self._labelled(self.ops.prefill, *a)
+    def prefill(self, *a, **kw):
+        return self._labelled(self.ops.prefill, *a, **kw)
 
     @property
     def fused(self):

@@ -6,6 +6,13 @@ For every layer there is a K and a V tensor of shape
 block manager (``labkit.memory``), which knows nothing about tensors. All layers live in one
 tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` so that a
 copy-on-write copy of a block is a single indexed copy across every layer.
+
+A quantized cache (``kv_cache_dtype`` "int8" or "fp8": ``labkit.kernels.kv_quant``) stores
+one byte per number and, beside the numbers, one fp32 scale per token and KV head: the
+tensor ``scales`` ``[num_layers, 2, num_blocks, block_size, num_kv_heads]``, indexed by block
+exactly as ``data`` is. Invariant: a block's scales are part of the block. Every copy of a
+block (copy-on-write, a beam's fork, a swap to the host pool and back) copies its scales in
+the same call; a prefix-cache hit reuses the block, scales and all.
 """
 
 from __future__ import annotations
@@ -35,9 +42,10 @@ def _num_kv_heads(config) -> int:
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of K and V one token takes across all layers: 2 * layers * kv_heads * head_dim * itemsize."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * _num_kv_heads(config) * _head_dim(config) * itemsize
+    """Bytes of K and V one token takes across all layers, in a cache of ``dtype``:
+    2 * layers * kv_heads * (head_dim * itemsize, plus a quantized cache's 4-byte scale)."""
+    from labkit.kernels.kv_quant import bytes_per_head_row   # lazy: importing the kernels imports Triton
+    return 2 * config.num_hidden_layers * _num_kv_heads(config) * bytes_per_head_row(dtype, _head_dim(config))
 
 
 def num_blocks_for_budget(config, block_size: int, budget_bytes: int, dtype: torch.dtype = torch.float32) -> int:
@@ -137,10 +145,11 @@ def plan_kv_cache(config, dtype: torch.dtype, block_size: int, *, max_num_seqs: 
 
 
 class KVCache:
-    """K/V blocks for every layer of one model."""
+    """K/V blocks for every layer of one model (and, quantized, their scales)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device="cpu", pin_memory: bool = False):
+        from labkit.kernels.kv_quant import SCALE_DTYPE, is_quantized   # lazy: the kernels import Triton
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
@@ -150,11 +159,29 @@ class KVCache:
                                 dtype=dtype, device=device, pin_memory=pin_memory)
         self.k_caches = [self.data[i, 0] for i in range(num_layers)]  # views, one per layer
         self.v_caches = [self.data[i, 1] for i in range(num_layers)]
+        # A quantized cache's scales, one per token and KV head, laid out as ``data`` is without
+        # its last dimension; None for a cache in the model's dtype.
+        self.scales = (torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, dtype=SCALE_DTYPE,
+                                   device=device, pin_memory=pin_memory) if is_quantized(dtype) else None)
+        self.k_scales = [None if self.scales is None else self.scales[i, 0] for i in range(num_layers)]
+        self.v_scales = [None if self.scales is None else self.scales[i, 1] for i in range(num_layers)]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether this cache stores int8 / fp8 numbers with scales (``kv_cache_dtype``)."""
+        return self.scales is not None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """What a copy of blocks must copy: the numbers (as bytes for fp8, which torch cannot
+        index), and a quantized cache's scales; dim 2 is the block in each."""
+        from labkit.kernels.kv_quant import as_bytes
+        return [as_bytes(self.data)] + ([] if self.scales is None else [self.scales])
 
     @classmethod
     def from_config(cls, config, block_size: int = 16, num_blocks: int | None = None,
                     budget_bytes: int | None = None, dtype: torch.dtype = torch.float32, device="cpu") -> "KVCache":
-        """Size the cache by ``num_blocks`` or, if None, by ``budget_bytes`` (default 2 GiB)."""
+        """Size the cache by ``num_blocks`` or, if None, by ``budget_bytes`` (default 2 GiB).
+        ``dtype``: what the cache stores (the model's dtype, or int8 / float8_e4m3fn)."""
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(config, block_size, budget_bytes or DEFAULT_KV_BUDGET_BYTES, dtype)
             if num_blocks < 1:
@@ -164,14 +191,16 @@ class KVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.data[:, :, 0].numel() * self.data.element_size()
+        """Bytes one block takes in every layer, K and V, scales included."""
+        return sum(t[:, :, 0].numel() * t.element_size() for t in self._tensors())
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def copy_blocks(self, pairs) -> None:
-        """Copy-on-write: for each ``(src, dst)`` copy block ``src`` into ``dst``, in every layer.
+        """Copy-on-write: for each ``(src, dst)`` copy block ``src`` into ``dst``, in every layer
+        (a quantized cache's scales with it).
 
         All sources are read before any destination is written (one gather, one scatter).
         """
@@ -179,7 +208,8 @@ class KVCache:
             return
         idx = torch.as_tensor(pairs, dtype=torch.long, device=self.data.device).view(-1, 2)
         src, dst = idx[:, 0], idx[:, 1]
-        self.data.index_copy_(2, dst, self.data.index_select(2, src))
+        for t in self._tensors():
+            t.index_copy_(2, dst, t.index_select(2, src))
 
     def host_pool(self, num_blocks: int) -> "KVCache":
         """A host-memory pool of ``num_blocks`` blocks shaped like this cache's, for
@@ -190,8 +220,9 @@ class KVCache:
                        self.dtype, "cpu", pin_memory=pin)
 
     def __repr__(self) -> str:
+        scales = " + fp32 scales" if self.quantized else ""
         return (f"KVCache(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {self.dtype}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {self.dtype}{scales}, "
                 f"{self.nbytes / 2**20:.0f} MiB)")
 
 
@@ -207,6 +238,7 @@ def swap_blocks(src: KVCache, dst: KVCache, pairs, granularity: str = "gather") 
     calls whatever the count. ``"layer"`` copies each block of each layer's K and V on its
     own, ``2 * num_layers`` copies per block, as vLLM v0 did (the paper's Figure 19 measures
     that). On a CPU both pools are CPU tensors, and either is still a real copy between pools.
+    A quantized cache's scales travel with their blocks, the same way.
     """
     if granularity not in SWAP_GRANULARITIES:
         raise ValueError(f"granularity must be one of {SWAP_GRANULARITIES}, got {granularity!r}")
@@ -219,8 +251,12 @@ def swap_blocks(src: KVCache, dst: KVCache, pairs, granularity: str = "gather") 
             for layer in range(src.num_layers):
                 dst.k_caches[layer][d].copy_(src.k_caches[layer][s])
                 dst.v_caches[layer][d].copy_(src.v_caches[layer][s])
+                if src.quantized:
+                    dst.k_scales[layer][d].copy_(src.k_scales[layer][s])
+                    dst.v_scales[layer][d].copy_(src.v_scales[layer][s])
         return
     idx = torch.as_tensor(pairs, dtype=torch.long).view(-1, 2)
-    staged = src.data.index_select(2, idx[:, 0].to(src.data.device))
-    staged = staged.to(dst.data.device)   # blocking: the host side reads it next
-    dst.data.index_copy_(2, idx[:, 1].to(dst.data.device), staged)
+    for s_t, d_t in zip(src._tensors(), dst._tensors(), strict=True):
+        staged = s_t.index_select(2, idx[:, 0].to(s_t.device))
+        staged = staged.to(d_t.device)    # blocking: the host side reads it next
+        d_t.index_copy_(2, idx[:, 1].to(d_t.device), staged)

@@ -267,29 +267,35 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(qkv_weight, qkv_bias)  # q, k and v stacked: [(H + 2 * KV) * d, hidden]
         self.o_proj = Linear(o_weight, o_bias)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache, ops) -> torch.Tensor:
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache, ops,
+                k_scales=None, v_scales=None) -> torch.Tensor:
+        """``k_scales``, ``v_scales``: a quantized cache's scales (``kv_cache.KVCache``), passed
+        to every kernel; None for a cache in the model's dtype (and then not passed at all, so
+        that a backend of your own needs no such arguments)."""
         n, H, KV, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         fused = getattr(ops, "fused", None)
-        if fused is not None:  # the CPU backend: rotation and the cache write in one pass (C++)
+        scales = {} if k_scales is None else {"k_scales": k_scales, "v_scales": v_scales}
+        if fused is not None and not scales:  # the CPU backend: rotation and the cache write in one pass (C++)
             q = fused.rope_and_cache(self.qkv_proj(x), cos, sin, k_cache, v_cache, meta.slot_mapping, H)
-        else:
+        else:  # (a quantized cache is written by reshape_and_cache, which quantizes: fused has no such write)
             qkv = self.qkv_proj(x).view(n, H + 2 * KV, d)
             qk = apply_rope(qkv[:, : H + KV], cos, sin)  # rotate q and k heads together
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
-            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)  # write before reading
+            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)  # write before reading
 
         p = meta.num_prefill_tokens
         if p == n:  # prefill chunks only
             out = ops.prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_context_lens,
-                              meta.prefill_query_start_loc, self.scale)
+                              meta.prefill_query_start_loc, self.scale, **scales)
         elif p == 0:  # decode tokens only
-            out = ops.decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+            out = ops.decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                             **scales)
         else:  # a mixed batch
             out = torch.cat((
                 ops.prefill(q[:p], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_context_lens,
-                            meta.prefill_query_start_loc, self.scale),
+                            meta.prefill_query_start_loc, self.scale, **scales),
                 ops.decode(q[p:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                           self.scale),
+                           self.scale, **scales),
             ))
         return self.o_proj(out.reshape(n, H * d))
 
@@ -316,12 +322,13 @@ class DecoderLayer(nn.Module):
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_attn_norm = input_norm, post_attn_norm
 
-    def forward(self, h, residual, cos, sin, meta, k_cache, v_cache, ops):
+    def forward(self, h, residual, cos, sin, meta, k_cache, v_cache, ops, k_scales=None, v_scales=None):
         """Returns (output, residual); the residual stream is updated in place."""
         fused = getattr(ops, "fused", None)
         if residual is None:  # the first layer: the embeddings start the residual stream
             residual, h = h, None
-        h = self.attn(add_and_norm(self.input_norm, residual, h, fused), cos, sin, meta, k_cache, v_cache, ops)
+        h = self.attn(add_and_norm(self.input_norm, residual, h, fused), cos, sin, meta, k_cache, v_cache, ops,
+                      k_scales, v_scales)
         return self.mlp(add_and_norm(self.post_attn_norm, residual, h, fused), fused), residual
 
 
@@ -400,14 +407,16 @@ class LlamaModel(nn.Module):
         layers read and write their own K/V in ``kv_cache``, the full model's: the other
         layers' K/V of these tokens is left as it was."""
         h = F.embedding(input_ids, self.embed_weight)
-        # the fused rotation (CPU backend) computes in fp32 from fp32 tables, [tokens, d / 2]
-        fused = getattr(ops, "fused", None) is not None
+        # the fused rotation (CPU backend) computes in fp32 from fp32 tables, [tokens, d / 2]; it
+        # writes only caches in the model's dtype (a quantized one goes through apply_rope)
+        fused = getattr(ops, "fused", None) is not None and not kv_cache.quantized
         cos, sin = self.rotary.tables(positions, torch.float32 if fused else h.dtype)
         residual = None
-        layers = zip(self.layers, kv_cache.k_caches, kv_cache.v_caches, strict=True)
+        layers = zip(self.layers, kv_cache.k_caches, kv_cache.v_caches, kv_cache.k_scales, kv_cache.v_scales,
+                     strict=True)
         with meta.checked(kv_cache):  # once here, not in each layer's kernels
-            for layer, k_cache, v_cache in itertools.islice(layers, num_layers):
-                h, residual = layer(h, residual, cos, sin, meta, k_cache, v_cache, ops)
+            for layer, k_cache, v_cache, k_scales, v_scales in itertools.islice(layers, num_layers):
+                h, residual = layer(h, residual, cos, sin, meta, k_cache, v_cache, ops, k_scales, v_scales)
         # Only the tokens whose next-token distribution is wanted go through the norm and the head.
         last = residual[logits_indices] + h[logits_indices]
         return self.lm_head(self.norm(last))

@@ -189,9 +189,14 @@ class ModelRunner:
     def __init__(self, model: str | LoadedModel = "smollm2-135m", block_size: int = 16,
                  num_blocks: int | None = None, kv_budget_bytes: int | None = None,
                  attention_backend="auto", dtype: torch.dtype | str = torch.float32, device="cpu",
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, kv_cache_dtype: str | torch.dtype = "auto"):
+        """``kv_cache_dtype``: "auto" (the model's dtype), "int8" or "fp8" (a quantized cache:
+        ``labkit.kernels.kv_quant``); refused (ValueError) before anything loads when unknown."""
+        from labkit.kernels.kv_quant import kv_cache_dtype_name, resolve_kv_cache_dtype
         self.device = torch.device(device)
         dtype, self.dtype_reason = resolve_dtype(dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)   # what the cache stores
+        self.kv_cache_dtype_name = kv_cache_dtype_name(self.kv_cache_dtype)
         if self.device.type == "cpu":
             # Use every core we may run on, unless the user pinned a count (OMP_NUM_THREADS).
             if num_threads is None and "OMP_NUM_THREADS" not in os.environ:
@@ -231,7 +236,9 @@ class ModelRunner:
             self.attention_backend_reason += ("; matmuls on plain bf16 weights, widened to fp32 (this CPU has "
                                               "no bf16 matrix kernels: bf16 saves memory here, not time)")
         self.block_size = block_size
-        self.kv_cache = KVCache.from_config(self.config, block_size, num_blocks, kv_budget_bytes, dtype, self.device)
+        check_backend_kv_dtype(self.attention_backend, self.kv_cache_dtype, self.device)
+        self.kv_cache = KVCache.from_config(self.config, block_size, num_blocks, kv_budget_bytes,
+                                            self.kv_cache_dtype, self.device)
         self.num_blocks = self.kv_cache.num_blocks
         self.load_time_s = time.perf_counter() - t0
 
@@ -296,6 +303,21 @@ def resolve_dtype(dtype: str | torch.dtype, device) -> tuple[torch.dtype, str]:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose 'auto' or one of {', '.join(DTYPES)}")
     return DTYPES[dtype], str(DTYPES[dtype]).removeprefix("torch.")
+
+
+def check_backend_kv_dtype(backend: str, kv_dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse (ValueError, saying what works) a quantized cache a backend cannot read.
+    Every built-in backend reads int8 and fp8 (e4m3) caches, except Triton's fp8 on GPUs
+    below compute capability 8.9 (no fp8 conversion instructions: the T4 and the A100),
+    where int8 or the torch backend works."""
+    if backend != "triton" or kv_dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    from labkit.kernels.kv_quant import FP8_MIN_COMPUTE_CAPABILITY
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_COMPUTE_CAPABILITY:
+        raise ValueError(f"kv_cache_dtype 'fp8' on the triton backend needs compute capability "
+                         f"{'.'.join(map(str, FP8_MIN_COMPUTE_CAPABILITY))}+ (fp8 conversions); this GPU is "
+                         f"{'.'.join(map(str, capability))}: use kv_cache_dtype 'int8', or attention_backend='torch'")
 
 
 def _resolve_backend(backend, device: torch.device, dtype: torch.dtype | None = None):

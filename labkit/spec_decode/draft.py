@@ -159,7 +159,8 @@ def build_proposer(config, runner: ModelRunner, num_host_blocks: int = 0):
         return DraftLayersProposer(k, "draft_layers", config.draft_sampling, runner=runner,
                                    num_layers=config.num_layers)
     draft = ModelRunner(config.model, block_size=runner.block_size, num_blocks=runner.num_blocks,
-                        attention_backend=runner.attention_backend, dtype=runner.dtype, device=runner.device)
+                        attention_backend=runner.attention_backend, dtype=runner.dtype, device=runner.device,
+                        kv_cache_dtype=getattr(runner, "kv_cache_dtype", "auto"))
     if draft.vocab_size != runner.vocab_size:
         raise ValueError(f"speculative_config: the draft {draft.name} has a vocabulary of {draft.vocab_size} tokens, "
                          f"the target {runner.name} {runner.vocab_size}: a draft model needs the target's tokenizer")

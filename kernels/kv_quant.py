@@ -118,9 +118,9 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     scales = amax / qmax
-    # 1 / scale where there is one; 0 maps an all-zero vector to zeros (instead of 0 / 0)
-    inverse = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
-    y = xf * inverse[..., None]
+    # x / amax first: it is at most 1, where qmax / amax overflows to inf for a vector of
+    # tiny numbers (|x| < 1e-36) and 0 * inf is NaN. An all-zero vector divides by 1: zeros.
+    y = xf / torch.where(amax > 0, amax, torch.ones_like(amax))[..., None] * qmax
     if dtype == torch.int8:
         stored = (y + torch.where(y >= 0, 0.5, -0.5)).trunc().clamp(-qmax, qmax).to(torch.int8)
     else:

@@ -68,9 +68,10 @@ def quantize_rows(x, mask, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
     lanes count as 0. The numbers come back already rounded to the cache's type, so the
     caller's cast to it is exact."""
     amax = tl.max(tl.where(mask, tl.abs(x), 0.0), 1)
-    # an all-zero row (or a padding one) stores zeros: no 0 / 0 computed
-    inverse = tl.where(amax > 0, QMAX / tl.where(amax > 0, amax, 1.0), 0.0)
-    y = tl.minimum(tl.maximum(x * inverse[:, None], -QMAX), QMAX)
+    # x / amax first, as the reference: QMAX / amax overflows for a row of tiny numbers. An
+    # all-zero row (or a padding one) divides by 1: zeros, no 0 / 0.
+    y = x / tl.where(amax > 0, amax, 1.0)[:, None] * QMAX
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if IS_INT8:
         # half away from zero, then the int conversion truncates: round(y), as the reference
         y = y + tl.where(y >= 0, 0.5, -0.5)

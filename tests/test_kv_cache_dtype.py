@@ -141,6 +141,11 @@ def test_quantize_stays_within_half_a_step_and_zeros_stay_zeros(qdtype):
     else:                         # 3 mantissa bits: half an ulp, 2**-4 relative (subnormals: 2**-10 of the step)
         assert ((back - x).abs() <= x.abs() / 16 + scales[..., None] * 2**-10 + 1e-30).all()
     assert (scales[7, 1] == 0) and (back[7, 1] == 0).all()
+    # A vector of tiny numbers (QMAX / amax would overflow to inf, and 0 * inf is NaN): zeros
+    # stay zeros, the largest maps to QMAX.
+    tiny, _ = Q.quantize(torch.tensor([[1e-38, 0.0, -1e-38, 5e-39]]), qdtype)
+    assert torch.isfinite(tiny.float()).all() and tiny.float()[0, 1] == 0, tiny
+    assert tiny.float()[0, 0] == Q.QMAX[qdtype] and tiny.float()[0, 2] == -Q.QMAX[qdtype]
 
 
 @pytest.mark.parametrize("qdtype", QDTYPES)
@@ -477,3 +482,42 @@ def test_the_benchmark_runs_each_kv_cache_dtype_and_measures_the_logits(tmp_path
     assert runs["int8"]["vs_auto"]["output_tokens"] == 16 and "speedup_vs_auto" in runs["int8"]
     distance = report["logit_distance"]["int8"]
     assert distance["positions"] == 16 and 0 < distance["max_abs_logit_diff_rel"] <= LOGIT_REL_TOL["int8"]
+
+
+@pytest.mark.parametrize("policy", ["hash", "radix"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("name", KV_NAMES)
+def test_a_quantized_cache_under_attack_ends_with_every_block_free(name, mode, policy):
+    """Stop strings, n > 1 (sampled: copy-on-write of the prompt's last block), an abort in
+    the middle, a shared prefix under either prefix-cache policy, in a pool small enough to
+    preempt: every request ends the way it was asked to, and every block (and its host copy)
+    comes back."""
+    llm = _tiny(name, num_blocks=20, preemption_mode=mode, prefix_caching=policy, max_num_seqs=8,
+                **({"num_host_blocks": 64} if mode == "swap" else {}))
+    probe = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    # tiny-llama's byte-level text is short: stop at a character that first comes after the start
+    stop = next((c for c in probe.text[1:] if c != "\ufffd" and probe.text.index(c) > 0), None)
+    assert stop is not None, probe
+    engine, system = llm.engine, list(range(100, 112))
+    stopped = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                            stop=[stop]))
+    sampled = [engine.add_request(system + p, SamplingParams(max_tokens=10, temperature=1.0, seed=i, n=3,
+                                                             ignore_eos=True)) for i, p in enumerate(PROMPTS[:4])]
+    doomed = engine.add_request(system + PROMPTS[5], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+        if steps == 3:
+            assert engine.abort(doomed.request_id)
+        assert steps < 500, "the engine stopped making progress"
+    assert stopped.seqs[0].finish_reason == "stop"
+    assert engine.text_of(stopped.seqs[0]) == probe.text[:probe.text.index(stop)]
+    for r in sampled:
+        assert len(r.seqs) == 3 and all(len(s.output_token_ids) == 10 for s in r.seqs)
+    assert doomed.seqs[0].finish_reason == "abort"
+    assert llm.stats()["num_preemptions"] > 0, "the pool should have been too small for all of them"
+    for r in [stopped, *sampled, doomed]:
+        engine.release(r)
+    _assert_all_blocks_free(llm)

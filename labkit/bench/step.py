@@ -35,34 +35,47 @@ from ..model.runner import ModelRunner, SeqChunk
 from ..utils import cdiv
 
 
-class _TimedOps:
+class _WrappedOps:
+    """An attention backend with each of its three calls passed through ``_around`` (what a
+    subclass does around a call: time it, label it). Keyword arguments pass through: a
+    quantized cache's ``k_scales``, ``v_scales``."""
+
+    def __init__(self, ops):
+        self.ops, self.name = ops, getattr(ops, "name", "ops")
+
+    def _around(self, fn, *a, **kw):
+        raise NotImplementedError
+
+    def reshape_and_cache(self, *a, **kw):
+        return self._around(self.ops.reshape_and_cache, *a, **kw)
+
+    def decode(self, *a, **kw):
+        return self._around(self.ops.decode, *a, **kw)
+
+    def prefill(self, *a, **kw):
+        return self._around(self.ops.prefill, *a, **kw)
+
+
+class _TimedOps(_WrappedOps):
     """Wraps an attention backend and accumulates the time spent in it."""
 
     def __init__(self, ops):
-        self.ops, self.name, self.seconds, self.cpu_seconds = ops, getattr(ops, "name", "ops"), 0.0, 0.0
+        super().__init__(ops)
+        self.seconds, self.cpu_seconds = 0.0, 0.0
 
-    def _timed(self, fn, *a, **kw):      # kw: a quantized cache's k_scales, v_scales
+    def _around(self, fn, *a, **kw):
         t0, c0 = time.perf_counter(), time.process_time()
         out = fn(*a, **kw)
         self.seconds += time.perf_counter() - t0
         self.cpu_seconds += time.process_time() - c0
         return out
 
-    def reshape_and_cache(self, *a, **kw):
-        return self._timed(self.ops.reshape_and_cache, *a, **kw)
-
-    def decode(self, *a, **kw):
-        return self._timed(self.ops.decode, *a, **kw)
-
-    def prefill(self, *a, **kw):
-        return self._timed(self.ops.prefill, *a, **kw)
-
     @property
     def fused(self):
         """The CPU backend's fused ops, if any; its rotary + cache write counts as attention
         (it is the cache write), the norm and SwiGLU ops do not."""
         f = getattr(self.ops, "fused", None)
-        return None if f is None else replace(f, rope_and_cache=lambda *a: self._timed(f.rope_and_cache, *a))
+        return None if f is None else replace(f, rope_and_cache=lambda *a: self._around(f.rope_and_cache, *a))
 
 
 def bench_chunks(runner: ModelRunner, batch: int = 64, context: int = 400, prefill: int = 512,
@@ -127,24 +140,12 @@ _ATTENTION = "labkit::attention"
 _FUSED = "labkit::fused"  # the CPU backend's fused rotary + cache write, add + RMSNorm, SiLU * up
 
 
-class _ProfiledOps:
+class _ProfiledOps(_WrappedOps):
     """Wraps an attention backend so that each call is one labelled profiler range."""
 
-    def __init__(self, ops):
-        self.ops, self.name = ops, getattr(ops, "name", "ops")
-
-    def _labelled(self, fn, *a, **kw):   # kw: a quantized cache's k_scales, v_scales
+    def _around(self, fn, *a, **kw):
         with torch.profiler.record_function(_ATTENTION):
             return fn(*a, **kw)
-
-    def reshape_and_cache(self, *a, **kw):
-        return self._labelled(self.ops.reshape_and_cache, *a, **kw)
-
-    def decode(self, *a, **kw):
-        return self._labelled(self.ops.decode, *a, **kw)
-
-    def prefill(self, *a, **kw):
-        return self._labelled(self.ops.prefill, *a, **kw)
 
     @property
     def fused(self):

@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from ..errors import DuplicateRequestId, InvalidParameter
+from ..errors import DuplicateRequestId, InvalidParameter, RequestError
 from ..outputs import RequestOutput, request_output
 from ..request import Request, check_cache_salt, encode_prompt, is_token_id, split_prompt
 from ..sampling_params import SamplingParams
@@ -253,7 +253,8 @@ class AsyncEngine:
         def compile_now() -> None:
             grammars = getattr(self.engine.executor, "grammars", None)
             if grammars is None:
-                raise ValueError("this engine's executor cannot constrain its tokens (a simulator)")
+                raise RequestError("this engine's executor cannot constrain its tokens (a simulator)",
+                                   "structured_outputs", "unsupported_parameter")
             grammars.check(spec)
         loop = asyncio.get_running_loop()
         try:

@@ -21,6 +21,7 @@ error: the class, ``param`` and ``code`` say it all.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -31,6 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .async_engine import EngineDeadError, QueueFullError
 from .fairness import OverCapError
 from .protocol import APIError
+
+log = logging.getLogger(__name__)
 
 #: What a serving route turns into an ``APIError`` (``api_error``): refusals, not bugs.
 #: A ``ValueError`` is the engine's word for "this request can never run" (a
@@ -59,7 +62,9 @@ def api_error(exc: Exception, prompt_param: str = "prompt") -> APIError:
         return APIError(exc.status_code, str(exc.detail), kind)
     if isinstance(exc, RequestValidationError):
         return APIError(400, str(exc))
-    return APIError(500, f"internal error: {exc!r}", "internal_error")
+    # The exception's text stays in the server's log: it may hold another request's data.
+    log.error("labkit: a route failed", exc_info=exc)
+    return APIError(500, f"internal error ({type(exc).__name__}): see the server's log", "internal_error")
 
 
 def install_error_handlers(app: FastAPI, count: Callable[[Request, int], None]) -> None:

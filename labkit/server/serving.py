@@ -154,7 +154,7 @@ class Serving:
         try:
             await self.engine.compile_grammar(parsed.params.structured_outputs)
         except ValueError as e:
-            raise bad_request(f"'{field_name}': {e}", param=field_name) from None
+            raise bad_request(f"'{field_name}': {e}", param=field_name, code=getattr(e, "code", None)) from None
 
     async def start(self, rid: str, parsed: Parsed, salt: str | None) -> list[RequestStream]:
         """Tokenize and queue every prompt, or none: a prompt over the context is refused
@@ -196,7 +196,7 @@ class Serving:
     # ---- the answer ----------------------------------------------------------------
     async def complete(self, job: Job) -> JSONResponse:
         """Wait for every stream to finish; answer with one JSON body."""
-        final: dict[int, object] = {}
+        final = job.newest
         try:
             async with watch_disconnect(job.request, job.streams):
                 async for batch in newest(job.streams):
@@ -204,7 +204,7 @@ class Serving:
         except EngineDeadError as e:
             raise api_error(e) from None
         finally:
-            await self.close(job, final)
+            await self.close(job)
         parsed, n = job.parsed, job.parsed.params.n
         choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
         for i in range(len(job.streams)):
@@ -217,7 +217,7 @@ class Serving:
                 if parsed.return_token_ids:
                     choice["token_ids"] = list(o.token_ids)
                 choices.append(choice)
-        body = {"id": job.rid, "object": self.object, "created": now(), "model": self.name, "choices": choices,
+        body = {"id": job.rid, "object": self.object, "created": job.created, "model": self.name, "choices": choices,
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
         self.finish_body(body, parsed, final)
         if parsed.return_token_ids:
@@ -291,11 +291,11 @@ class Serving:
             if job.request.scope.get(STALLED_SCOPE_KEY):
                 self.access.gate.usage(job.ticket.client).stalled += 1
 
-    async def close(self, job: Job, outputs: dict | None = None) -> None:
+    async def close(self, job: Job) -> None:
         """Abort every stream (a no-op for a finished one) and account the request."""
         for s in job.streams:
             s.abort()
-        self.account(job, job.newest if outputs is None else outputs)
+        self.account(job, job.newest)
 
     def account(self, job: Job, outputs: dict) -> None:
         """Give the ticket's places back and count the request's tokens under its client

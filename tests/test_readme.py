@@ -73,6 +73,8 @@ RULES = [
          "writes a class's keys file into the clone; tests/test_classroom.py makes and reads one"),
     Rule(r"curl ", "skip", "talks to the server a snippet above starts: the 'server' rule runs it against that server"),
     Rule(r"python -m labkit\.bench serve\b", "parse", "minutes of the real model with each engine: run it by hand"),
+    Rule(r"python -m labkit\.bench kv-dtype\b", "parse",
+         "tests/test_kv_cache_dtype.py runs this benchmark (each dtype, its logit distance and greedy agreement)"),
     Rule(r"python -m labkit\.bench\b", "run", timeout_s=600, slow=True),
     Rule(r"python -m labkit\.notebooks check\b", "run", timeout_s=120),
 ]
@@ -191,7 +193,7 @@ def _check_options(command: str) -> None:
     import shlex
     argv = shlex.split(command)
     what = argv[3]
-    module = importlib.import_module(f"labkit.bench.{what}")
+    module = importlib.import_module(f"labkit.bench.{what.replace('-', '_')}")     # kv-dtype: kv_dtype
     try:
         module.build_parser().parse_args(argv[4:])
     except SystemExit as e:

@@ -74,7 +74,7 @@ RULES = [
     Rule(r"curl ", "skip", "talks to the server a snippet above starts: the 'server' rule runs it against that server"),
     Rule(r"python -m labkit\.bench serve\b", "parse", "minutes of the real model with each engine: run it by hand"),
     Rule(r"python -m labkit\.bench kv-dtype\b", "parse",
-         "tests/test_kv_cache_dtype.py runs this benchmark (each dtype, its logit distance and greedy agreement)"),
+         "minutes of the real model; tests/test_kv_cache_dtype.py runs this benchmark on tiny-llama (auto, int8)"),
     Rule(r"python -m labkit\.bench\b", "run", timeout_s=600, slow=True),
     Rule(r"python -m labkit\.notebooks check\b", "run", timeout_s=120),
 ]
@@ -192,8 +192,11 @@ def _check_options(command: str) -> None:
     import importlib
     import shlex
     argv = shlex.split(command)
+    from labkit.bench.__main__ import COMMANDS, module_name
     what = argv[3]
-    module = importlib.import_module(f"labkit.bench.{what.replace('-', '_')}")     # kv-dtype: kv_dtype
+    if what not in COMMANDS:
+        pytest.fail(f"{command!r}: python -m labkit.bench has no benchmark {what!r}")
+    module = importlib.import_module(module_name(what))
     try:
         module.build_parser().parse_args(argv[4:])
     except SystemExit as e:
@@ -256,6 +259,21 @@ def _send_as_written(curl: str) -> dict:
 
 
 # ---- what the README says agrees with the files it describes ------------------------------------
+@pytest.mark.parametrize("command, ok", [
+    ("python -m labkit.bench kv-dtype --kv-dtypes auto,int8 --requests 4", True),   # kv-dtype lives in kv_dtype.py
+    ("python -m labkit.bench kv-dtype --kv-dtypez auto", False),   # a misspelt option
+    ("python -m labkit.bench kv-dtype --requests four", False),    # a value of the wrong type
+    ("python -m labkit.bench kvdtype --requests 4", False),        # no such benchmark
+])
+def test_the_parse_rule_fails_a_line_its_benchmark_would_refuse(command, ok):
+    """A README line that is only parsed must still fail when the benchmark would not run it."""
+    if ok:
+        _check_options(command)
+    else:
+        with pytest.raises(pytest.fail.Exception):
+            _check_options(command)
+
+
 def test_readme_names_the_cpu_torch_sources():
     text = README.read_text(encoding="utf-8")
     index = re.search(r"^TORCH_INDEX\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)

@@ -45,6 +45,11 @@ def plain(doc: str | None) -> str | None:
     return doc.replace("``", "") if doc else doc
 
 
+def module_name(what: str) -> str:
+    """The module a benchmark's command name lives in: ``gpu-check`` in ``gpu_check.py``."""
+    return f"labkit.bench.{what.replace('-', '_')}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown benchmark {what!r}; choose from: {', '.join(COMMANDS)}\n"
               "(python -m labkit.bench --help says what each one measures)", file=sys.stderr)
         return 2
-    name = f"labkit.bench.{what.replace('-', '_')}"      # gpu-check lives in gpu_check.py
+    name = module_name(what)
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as e:

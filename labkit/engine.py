@@ -307,11 +307,14 @@ class Engine:
             "kv_cache_usage": kv_cache_usage(a),
             "held_slot_fill": held_slot_fill(a),
             "prefix_cache_hit_rate": a.prefix_cache_hit_rate,
+            "num_prefix_cache_queries": a.num_cache_queries,
+            "num_prefix_cache_hits": a.num_cache_hits,
             "num_cached_prompt_tokens": s.num_cached_prompt_tokens,
             "num_preemptions": s.num_preemptions,
             "num_generated_tokens": s.num_generated_tokens,
             "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
             "num_steps": self.num_steps,
+            **s.tier_stats(),
             **self._spec_stats(),
         }
 

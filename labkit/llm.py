@@ -61,6 +61,9 @@ class LLM:
     ``kv_cache_dtype`` (vLLM's option): "auto" (the model's dtype), "fp8" (e4m3) or "int8":
     a quantized KV cache, one byte per number and one fp32 scale per token and KV head, so the
     same memory holds ~2x (bf16, fp16) or ~4x (fp32) the blocks (docs/kv_quantization.md).
+    ``kv_offloading_size`` (vLLM's option, GiB; or ``num_offload_blocks`` blocks): a host tier
+    behind the prefix cache: a cached block the KV cache evicts is copied to host memory and
+    copied back on a later hit instead of being recomputed (docs/kv_offloading.md).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, block_size: int = 16, num_blocks: int | None = None,
@@ -72,7 +75,8 @@ class LLM:
                  num_threads: int | None = None, preemption_mode: str = "recompute",
                  swap_space: float = 4.0, num_host_blocks: int | None = None,
                  jump_forward: bool = True, speculative_config: dict | None = None,
-                 prefix_caching: bool | str | None = None, kv_cache_dtype: str = "auto"):
+                 prefix_caching: bool | str | None = None, kv_cache_dtype: str = "auto",
+                 kv_offloading_size: float | None = None, num_offload_blocks: int | None = None):
         # Prefix caching: True or "hash" (vLLM's block hashes), "radix" (SGLang's radix tree),
         # False; ``prefix_caching=`` is the same option under the issue's shorter name.
         if prefix_caching is not None:
@@ -93,6 +97,7 @@ class LLM:
         torch_dtype, dtype_reason = resolve_dtype(dtype, device)
         cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch_dtype)   # a bad name fails before loading
         _check_swap_args(preemption_mode, swap_space, num_host_blocks)
+        _check_offload_args(kv_offloading_size, num_offload_blocks, enable_prefix_caching)
         speculative_config = SpeculativeConfig.from_dict(speculative_config)   # refused before the model loads
 
         if kv_cache_memory is not None and (not isinstance(kv_cache_memory, int) or kv_cache_memory <= 0):
@@ -117,20 +122,24 @@ class LLM:
         host_blocks = 0
         if preemption_mode == "swap" and policy == "continuous":   # static never preempts
             host_blocks = _host_blocks(swap_space, num_host_blocks, self.runner.kv_cache.bytes_per_block)
+        offload_blocks = _offload_blocks(kv_offloading_size, num_offload_blocks, host_blocks,
+                                         self.runner.kv_cache.bytes_per_block)
         scheduler = make_scheduler(policy, allocator, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                    eos_token_ids=self.runner.eos_token_ids, watermark=watermark,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill,
                                    preemption_mode=preemption_mode if host_blocks else "recompute",
-                                   num_host_blocks=host_blocks)
-        host_cache = self.runner.kv_cache.host_pool(host_blocks) if host_blocks else None
+                                   num_host_blocks=host_blocks, num_offload_blocks=offload_blocks,
+                                   bytes_per_block=self.runner.kv_cache.bytes_per_block)
+        pool = scheduler.host_allocator     # swapping's blocks and the host tier's, one pool
+        host_cache = self.runner.kv_cache.host_pool(pool.num_blocks) if pool is not None else None
         executor = ModelExecutor(self.runner, host_cache, jump_forward=jump_forward,
                                  speculative_config=speculative_config)
         self.engine = Engine(scheduler, executor, tokenizer=self.tokenizer)
         self._ids = itertools.count()
         print(f"labkit: {self._load_line(device, dtype_reason)}; KV cache {self.runner.num_blocks} blocks x "
               f"{block_size} tokens ({size_text(self.runner.kv_cache.nbytes)}{self._kv_dtype_text()}): "
-              f"{self.kv_plan.how}", file=sys.stderr)
+              f"{self.kv_plan.how}{self._tier_text(offload_blocks)}", file=sys.stderr)
         if self.runner.device.type == "cpu":
             warn_if_too_late(torch.get_num_threads())
 
@@ -142,6 +151,13 @@ class LLM:
             return ""
         return (f", {self.runner.kv_cache_dtype_name} with fp32 scales per token and head: "
                 f"{self.kv_block_ratio:.2f}x the blocks of {str(self.runner.dtype).removeprefix('torch.')}")
+
+    def _tier_text(self, offload_blocks: int) -> str:
+        """The banner's words on the host tier: its blocks and their bytes."""
+        if not offload_blocks:
+            return ""
+        return (f"; host tier {offload_blocks} blocks "
+                f"({size_text(offload_blocks * self.runner.kv_cache.bytes_per_block)}) behind the prefix cache")
 
     def _load_line(self, device, dtype: str) -> str:
         """The model and attention backend, in full the first time a process loads them;
@@ -304,7 +320,11 @@ class LLM:
         return s
 
     def reset_prefix_cache(self) -> int:
-        """Forget cached prefixes that no request holds. Returns how many blocks were freed."""
+        """Forget cached prefixes that no request holds, on the device and in the host tier.
+        Returns how many device blocks were freed."""
+        tier = self.engine.scheduler.tier
+        if tier is not None:
+            tier.reset()
         return self.engine.scheduler.allocator.reset_prefix_cache()
 
     @property
@@ -344,6 +364,37 @@ def _check_swap_args(mode, swap_space, num_host_blocks) -> None:
     if num_host_blocks is not None and (isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int)
                                         or num_host_blocks < 1):
         raise ValueError(f"num_host_blocks must be a positive integer, got {num_host_blocks!r}")
+
+
+def _check_offload_args(size, num_blocks, enable_prefix_caching) -> None:
+    """Refuse a host tier that cannot work, before anything is loaded."""
+    if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
+        raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        raise ValueError(f"num_offload_blocks must be a positive integer, got {num_blocks!r}")
+    if size is not None and num_blocks is not None:
+        raise ValueError("give kv_offloading_size or num_offload_blocks, not both")
+    if (size is not None or num_blocks is not None) and prefix_cache_policy(enable_prefix_caching) is None:
+        raise ValueError("kv_offloading_size: the host tier keeps the blocks the prefix cache evicts; "
+                         "turn prefix caching on (enable_prefix_caching=True, 'hash' or 'radix')")
+
+
+def _offload_blocks(size: float | None, num_blocks: int | None, swap_blocks: int, bytes_per_block: int) -> int:
+    """Host blocks for the host tier: ``num_blocks`` if given, else as many as ``size`` GiB
+    holds (0: no tier); refused when the host has not that much memory besides the swap pool."""
+    if size is None and num_blocks is None:
+        return 0
+    blocks = num_blocks if num_blocks is not None else int(size * 2**30 // bytes_per_block)
+    if blocks < 1:
+        raise ValueError(f"kv_offloading_size={size} GiB holds no KV block of {bytes_per_block} bytes: "
+                         "raise it")
+    available = device_memory("cpu")
+    need = (blocks + swap_blocks) * bytes_per_block
+    if available is not None and need > available.nbytes:
+        raise ValueError(f"the host pool (host tier{' and swapping' if swap_blocks else ''}) would take "
+                         f"{need / 2**30:.2f} GiB but only {available.nbytes / 2**30:.2f} GiB of host memory is "
+                         f"{available.what}; lower kv_offloading_size (GiB) or num_offload_blocks")
+    return blocks
 
 
 def _host_blocks(swap_space: float, num_host_blocks: int | None, bytes_per_block: int) -> int:

@@ -231,8 +231,9 @@ def test_every_stats_key_is_documented_and_named_alike_everywhere():
 
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "stats.md").read_text()
     documented = set(re.findall(r"^\| `(\w+)` \|", doc, flags=re.M))
-    # An engine that speculates: its spec_decode_* keys come on top of every other engine's.
-    llm = LLM("tiny-llama", num_blocks=16, block_size=8,
+    # An engine that speculates, with a host tier: its spec_decode_* and tier keys come on top
+    # of every other engine's.
+    llm = LLM("tiny-llama", num_blocks=16, block_size=8, num_offload_blocks=8,
               speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     from labkit.server.async_engine import AsyncEngine
     with AsyncEngine(llm, start=False) as server:

@@ -75,6 +75,8 @@ RULES = [
     Rule(r"python -m labkit\.bench serve\b", "parse", "minutes of the real model with each engine: run it by hand"),
     Rule(r"python -m labkit\.bench kv-dtype\b", "parse",
          "minutes of the real model; tests/test_kv_cache_dtype.py runs this benchmark on tiny-llama (auto, int8)"),
+    Rule(r"python -m labkit\.bench tiers\b", "parse",
+         "minutes of the real model; tests/test_host_tier.py runs this benchmark on tiny-llama (all three configs)"),
     Rule(r"python -m labkit\.bench\b", "run", timeout_s=600, slow=True),
     Rule(r"python -m labkit\.notebooks check\b", "run", timeout_s=120),
 ]

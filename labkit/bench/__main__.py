@@ -28,6 +28,7 @@ COMMANDS = {
     "spec": "speculative decoding (n-gram, draft layers) against none, by workload and batch size (minutes)",
     "startup": "how long the CLI's --help and labkit's imports take in a fresh process",
     "kv-dtype": "quantized KV cache (int8, fp8) vs unquantized: tok/s, greedy agreement, logit distance (minutes)",
+    "tiers": "a host tier behind the prefix cache: hit rates, prefill saved and TTFT with none, device, device+host",
 }
 
 

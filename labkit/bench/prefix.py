@@ -31,6 +31,7 @@ import sys
 import time
 
 from ..utils import percentile
+from . import table_header, table_line
 
 POLICIES = ("none", "hash", "radix")
 CACHE_METHODS = ("match", "acquire", "reused", "publish", "released", "revived", "evict")
@@ -225,17 +226,11 @@ COLUMNS = [("workload", "{:<13}"), ("policy", "{:<6}"), ("hit_rate", "{:>8.1%}")
 
 
 def header() -> str:
-    """The table's column names, each as wide as its values (every format is at least as
-    wide as its name)."""
-    return "  ".join(f"{name:<{_width(fmt)}}" if "<" in fmt else f"{name:>{_width(fmt)}}" for name, fmt in COLUMNS)
+    return table_header(COLUMNS)
 
 
 def line(row: dict) -> str:
-    return "  ".join(fmt.format(row[name]) for name, fmt in COLUMNS)
-
-
-def _width(fmt: str) -> int:
-    return int("".join(c for c in fmt.split(":")[1].split(".")[0] if c.isdigit()))
+    return table_line(COLUMNS, row)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from .allocator import BlockAllocator, CacheEntry, NoFreeBlocksError
 from .beam_tree import Beam, BeamTree
 from .block_manager import Allocation, BlockManager, CachedPrefix, Growth, beam_successors
 from .block_table import BlockTable, CopyOnWrite, copies_on_write
+from .host_tier import HostTier
 from .policy import PrefixCachePolicy, match_limit, prefix_cache_policy
 from .prefix_cache import ROOT_HASH, HashPrefixCache, hash_block, hash_full_blocks, hash_prefix, root_hash
 from .radix_cache import RadixNode, RadixTree
@@ -16,7 +17,7 @@ from .waste import (ContiguousAllocator, Hole, SeqUsage, Waste, contiguous_waste
 __all__ = [
     "Allocation", "BlockManager", "CachedPrefix", "Growth", "beam_successors", "copies_on_write",
     "PrefixCachePolicy", "match_limit",
-    "Beam", "BeamTree", "BlockAllocator", "BlockTable", "CacheEntry", "CopyOnWrite", "NoFreeBlocksError",
+    "Beam", "BeamTree", "BlockAllocator", "HostTier", "BlockTable", "CacheEntry", "CopyOnWrite", "NoFreeBlocksError",
     "ROOT_HASH", "HashPrefixCache", "hash_block", "hash_full_blocks", "hash_prefix", "prefix_cache_policy",
     "root_hash", "RadixNode", "RadixTree",
     "ContiguousAllocator", "Hole", "SeqUsage", "Waste", "contiguous_waste", "live_paged_waste",

@@ -75,6 +75,8 @@ class BlockAllocator:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._cache: PrefixCachePolicy | None = (
             None if policy is None else HashPrefixCache(self) if policy == "hash" else RadixTree(self))
+        # A host tier behind the cache (``HostTier``): it is told of every block evicted.
+        self.lower_tier = None
         # Counters for statistics and the widgets; plain ints, cheap to read.
         self.num_evictions = 0
         self.num_cache_queries = 0
@@ -152,8 +154,11 @@ class BlockAllocator:
         if self._free:
             block_id = self._free.pop()
         elif self._cache is not None and self._cache.num_evictable:
-            block_id = self._cache.evict()
+            tier = self.lower_tier
+            block_id, entry = self._cache.evict(with_entry=tier is not None)
             self.num_evictions += 1
+            if tier is not None:            # its K/V is still there: the tier copies it before the step runs
+                tier.offload(block_id, entry)
         else:
             raise NoFreeBlocksError(
                 f"all {self.num_blocks} KV blocks are in use; free some or preempt a sequence"
@@ -217,6 +222,13 @@ class BlockAllocator:
         return self.num_filled_slots / used if used else 0.0
 
     # ---- prefix cache ----------------------------------------------------------------
+    def attach_lower_tier(self, tier) -> None:
+        """Send every evicted cached block to ``tier`` (a ``HostTier``: ``tier.offload(block_id,
+        entry)``) before it is handed out again."""
+        if self._cache is None:
+            raise ValueError("a lower tier keeps blocks the prefix cache evicts: turn prefix caching on")
+        self.lower_tier = tier
+
     def acquire_cached_prefix(self, token_ids, max_tokens: int | None = None, salt: str | None = None) -> list[int]:
         """The cached blocks that begin ``token_ids`` (whole blocks within the first
         ``max_tokens`` tokens, under ``salt``'s namespace), each with one more holder: the

@@ -11,7 +11,9 @@ whether the pool can give them slots, counting every block exactly once:
 * a copy of a shared, partly filled last block for each table that writes into it
   (copy-on-write), but for the last of its holders, who finds it its own by then;
 * a cached-free block that a prefix-cache hit revives (it stops being evictable);
-* one block per block of a table moved in from another pool (each shared block once).
+* one block per block of a table moved in from another pool (each shared block once);
+* a new block for each block a host tier's hit brings back (``host_tier.py``): it is
+  counted like any block the prefix needs beyond the device hits.
 
 Either every table of the plan grows, or none does and ``None`` says so. The plan's
 tables may name ``num_lookahead_tokens`` slots past their new tokens (speculative
@@ -28,23 +30,27 @@ from typing import Sequence
 
 from .allocator import BlockAllocator
 from .block_table import BlockTable, CopyOnWrite, blocks_to_add, copies_on_write
+from .policy import match_limit
 
 
 @dataclass(slots=True)
 class CachedPrefix:
     """A prefix-cache hit found for an empty table and not taken yet: the cached ``blocks``
     that begin ``token_ids``, looked up within its first ``max_tokens`` tokens (the last
-    prompt token is never reused: its logits must be computed)."""
+    prompt token is never reused: its logits must be computed), and the ``host_blocks`` of
+    a host tier that continue it (copied into new device blocks when taken)."""
 
     blocks: list[int]
     token_ids: Sequence[int]
     max_tokens: int | None
     block_size: int
+    host_blocks: list[int] = field(default_factory=list)
+    num_host_queries: int = 0          # full blocks looked up in the host tier
 
     @property
     def num_tokens(self) -> int:
-        """Tokens whose KV the hit holds: they need no compute."""
-        return len(self.blocks) * self.block_size
+        """Tokens whose KV the hit holds, on the device or the host: they need no compute."""
+        return (len(self.blocks) + len(self.host_blocks)) * self.block_size
 
 
 @dataclass(slots=True)
@@ -88,8 +94,17 @@ class BlockManager:
 
     def find_cached_prefix(self, table: BlockTable, token_ids: Sequence[int],
                            max_tokens: int | None) -> CachedPrefix:
-        """The prefix-cache hit an empty ``table`` would take for ``token_ids``. Changes nothing."""
-        return CachedPrefix(table.peek_cached_prefix(token_ids, max_tokens), token_ids, max_tokens, self.block_size)
+        """The prefix-cache hit an empty ``table`` would take for ``token_ids``: device blocks,
+        then the host tier's continuation of the chain (if the pool has a tier). Changes nothing."""
+        blocks = table.peek_cached_prefix(token_ids, max_tokens)
+        prefix = CachedPrefix(blocks, token_ids, max_tokens, self.block_size)
+        tier = self.allocator.lower_tier
+        if tier is not None:
+            limit = match_limit(len(token_ids), max_tokens) // self.block_size
+            if len(blocks) < limit:
+                prefix.host_blocks = tier.match(token_ids, max_tokens, table.salt, blocks)
+                prefix.num_host_queries = len(prefix.host_blocks) + (len(blocks) + len(prefix.host_blocks) < limit)
+        return prefix
 
     def blocks_needed(self, plan: Sequence[Growth]) -> int:
         """How many blocks ``allocate_slots(plan)`` takes from the pool (evictable cached-free
@@ -134,6 +149,13 @@ class BlockManager:
             return None
         done = Allocation()
         moved: dict[int, int] = {}        # source block -> its copy here: a shared block moves once
+        tier = self.allocator.lower_tier
+        if tier is not None:
+            # The host blocks moved in are read when the step runs: no host-tier copy decided
+            # before then may write into them once they are freed (``HostTier.pin``).
+            for g in plan:
+                if g.table.allocator is tier.host:
+                    tier.pin(g.table.block_ids)
         for g in plan:
             if g.table.allocator is not self.allocator:
                 table, pairs = g.table.copy_to(self.allocator, moved)
@@ -144,6 +166,9 @@ class BlockManager:
             table = g.table
             if g.prefix is not None:
                 table.reuse_cached_prefix(g.prefix.token_ids, g.prefix.max_tokens)
+                if g.prefix.num_host_queries:       # the host tier's part: new blocks, filled by copies
+                    self.allocator.lower_tier.load(table, g.prefix.token_ids, g.prefix.host_blocks,
+                                                   g.prefix.num_host_queries)
             if g.new_token_ids:
                 done.copies += table.append_tokens(g.new_token_ids, computed=False)
             if g.num_lookahead_tokens:

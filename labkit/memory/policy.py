@@ -93,9 +93,10 @@ class PrefixCachePolicy(Protocol):
         """A cached-free block gained a holder: no longer evictable."""
         ...
 
-    def evict(self) -> int:
+    def evict(self, with_entry: bool = False) -> tuple[int, CacheEntry | None]:
         """Forget one cached-free block, the policy's next victim, and return it (the
-        allocator hands it out). Only called while ``num_evictable > 0``."""
+        allocator hands it out) with, when ``with_entry``, what it cached (a host tier files
+        the block under it; else None). Only called while ``num_evictable > 0``."""
         ...
 
     def reset(self) -> list[int]:

@@ -195,11 +195,11 @@ class HashPrefixCache:
     def revived(self, block_id: int) -> None:
         del self._lru[block_id]
 
-    def evict(self) -> int:
-        """Forget the least recently released cached block and return it."""
+    def evict(self, with_entry: bool = False) -> tuple[int, CacheEntry | None]:
+        """Forget the least recently released cached block; return it and what it cached."""
         block_id, _ = self._lru.popitem(last=False)
-        self._forget(block_id)
-        return block_id
+        entry = self._forget(block_id)
+        return block_id, entry if with_entry else None
 
     def reset(self) -> list[int]:
         """Forget every unreferenced cached block; return them, oldest first."""
@@ -219,9 +219,10 @@ class HashPrefixCache:
             assert self._entries[block_id].block_hash == block_hash
         assert len(self._by_hash) == len(self._entries)
 
-    def _forget(self, block_id: int) -> None:
+    def _forget(self, block_id: int) -> CacheEntry:
         entry = self._entries.pop(block_id)
         del self._by_hash[entry.block_hash]
+        return entry
 
     def _state(self) -> tuple:
         return list(self._lru), dict(self._entries), dict(self._by_hash)

@@ -283,9 +283,10 @@ class RadixTree:
         """An unreferenced cached block gained a holder (a hit): no longer evictable."""
         self._num_unreferenced -= 1
 
-    def evict(self) -> int:
+    def evict(self, with_entry: bool = False) -> tuple[int, CacheEntry | None]:
         """Forget the last block of the least recently used unreferenced leaf, and return it
-        (the allocator hands it out). Only called while ``num_evictable > 0``."""
+        (the allocator hands it out) with, when ``with_entry``, the hash chain naming it
+        (``entry``: a host tier files it under that). Only called while ``num_evictable > 0``."""
         while True:
             if not self._heap:
                 raise RuntimeError(f"radix tree: {self._num_unreferenced} unreferenced cached blocks but no "
@@ -294,6 +295,7 @@ class RadixTree:
             if self._evictable(node) and node.last_access == last_access:
                 break
         key = node.token_ids[:self.block_size]
+        entry = self.entry(node.block_ids[-1]) if with_entry else None
         block_id = node.block_ids.pop()
         node.token_ids = node.token_ids[:-self.block_size]
         del self._node_of[block_id]
@@ -308,14 +310,14 @@ class RadixTree:
             if parent.parent is None and parent is not self.root and not parent.children:
                 del self._roots[parent.root_hash]  # the salt's last cached block is gone
             self._push_if_evictable(parent)
-        return block_id
+        return block_id, entry
 
     def reset(self) -> list[int]:
         """Forget every unreferenced cached block (leaves first). Returns them; the
         eviction counter does not move (nothing was needed)."""
         before, freed = self.num_evictions, []
         while self._num_unreferenced:
-            freed.append(self.evict())
+            freed.append(self.evict()[0])
         self.num_evictions = before
         return freed
 

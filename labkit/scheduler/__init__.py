@@ -16,7 +16,8 @@ def make_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int 
                    max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                    max_model_len: int | None = None, watermark: float = 0.01,
                    eos_token_ids: Iterable[int] = (), reserve: str = "max_tokens",
-                   preemption_mode: str = "recompute", num_host_blocks: int = 0) -> Scheduler:
+                   preemption_mode: str = "recompute", num_host_blocks: int = 0,
+                   num_offload_blocks: int = 0, bytes_per_block: int = 0) -> Scheduler:
     """The scheduler for ``policy`` ("continuous" or "static") on ``allocator``.
 
     Takes every option of both policies, so callers can switch policy alone; each policy
@@ -26,7 +27,10 @@ def make_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int 
 
     ``preemption_mode`` ("recompute" or "swap", with ``num_host_blocks`` host blocks)
     says what continuous batching does with a victim's KV; the static baseline reserves
-    every request's room up front and never preempts, so it has no host pool.
+    every request's room up front and never preempts, so it has no host pool for swapping.
+    ``num_offload_blocks`` host blocks (either policy) keep the cached blocks the prefix
+    cache evicts, a host tier (``memory/host_tier.py``; ``bytes_per_block`` sizes its byte
+    counters).
     """
     if preemption_mode not in PREEMPTION_MODES:
         raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
@@ -34,10 +38,12 @@ def make_scheduler(policy: str, allocator: BlockAllocator, *, max_num_seqs: int 
         return Scheduler(allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          enable_chunked_prefill=enable_chunked_prefill, max_model_len=max_model_len,
                          watermark=watermark, eos_token_ids=eos_token_ids,
-                         preemption_mode=preemption_mode, num_host_blocks=num_host_blocks)
+                         preemption_mode=preemption_mode, num_host_blocks=num_host_blocks,
+                         num_offload_blocks=num_offload_blocks, bytes_per_block=bytes_per_block)
     if policy == "static":
         return StaticScheduler(allocator, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                               reserve=reserve, eos_token_ids=eos_token_ids)
+                               reserve=reserve, eos_token_ids=eos_token_ids,
+                               num_offload_blocks=num_offload_blocks, bytes_per_block=bytes_per_block)
     raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
 
 

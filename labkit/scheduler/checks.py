@@ -42,6 +42,16 @@ def check_config(max_num_seqs: int, max_num_batched_tokens: int, watermark: floa
         raise ValueError(f"watermark must be a fraction in [0, 1), got {watermark}")
 
 
+def check_offload(allocator, num_offload_blocks: int) -> None:
+    """Raise ``ValueError`` for a host tier that cannot work: a negative size, or no prefix
+    cache in front of it (the tier keeps what the cache evicts)."""
+    if isinstance(num_offload_blocks, bool) or not isinstance(num_offload_blocks, int) or num_offload_blocks < 0:
+        raise ValueError(f"num_offload_blocks must be a non-negative integer, got {num_offload_blocks!r}")
+    if num_offload_blocks and allocator.prefix_cache is None:
+        raise ValueError("a host tier (kv_offloading_size) keeps the blocks the prefix cache evicts: "
+                         "turn prefix caching on (enable_prefix_caching=True, 'hash' or 'radix')")
+
+
 def check_request(sched: Scheduler, request: Request) -> None:
     """Raise a ``RequestError`` if ``sched`` can never serve ``request``."""
     rid = request.request_id

@@ -29,6 +29,8 @@ def apply_samples(sched: Scheduler, output: SchedulerOutput, sampled: list[list[
     """``Scheduler.update``'s work (its docstring says what each argument holds). Returns the
     requests that finished in this iteration."""
     finished: list[Request] = []
+    if sched.tier is not None:
+        sched.tier.copies_done()           # the step ran: its copies have read and written their host blocks
     for k, (item, tokens) in enumerate(zip(output.scheduled, sampled, strict=True)):
         seq = item.seq
         if seq.status is not Status.RUNNING:

@@ -41,10 +41,10 @@ from collections import deque
 from typing import Iterable
 
 from ..beam_search import BeamSearch
-from ..memory import BlockAllocator, BlockManager, BlockTable, Growth
+from ..memory import BlockAllocator, BlockManager, BlockTable, Growth, HostTier
 from ..request import Request, Sequence, Status
 from .beams import BeamGroups
-from .checks import check_config, check_fork, check_request
+from .checks import check_config, check_fork, check_offload, check_request
 from .outputs import StopStringCheck, apply_samples, make_children
 from .plan import StepPlan, growth
 from .preemption import preempt_newest
@@ -65,8 +65,10 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, max_model_len: int | None = None, watermark: float = 0.01,
-                 eos_token_ids: Iterable[int] = (), preemption_mode: str = "recompute", num_host_blocks: int = 0):
+                 eos_token_ids: Iterable[int] = (), preemption_mode: str = "recompute", num_host_blocks: int = 0,
+                 num_offload_blocks: int = 0, bytes_per_block: int = 0):
         check_config(max_num_seqs, max_num_batched_tokens, watermark, preemption_mode, num_host_blocks)
+        check_offload(allocator, num_offload_blocks)
         self.allocator = allocator
         self.blocks = BlockManager(allocator)
         self.block_size = allocator.block_size
@@ -82,9 +84,16 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self.swapper = Swapper(self, num_host_blocks if preemption_mode == "swap" else 0)
+        # One host pool: blocks for swapping and, behind the prefix cache, a host tier
+        # (its blocks are cached-free host blocks: a swap-out that needs them evicts them).
+        num_swap_blocks = num_host_blocks if preemption_mode == "swap" else 0
+        host_blocks = num_swap_blocks + num_offload_blocks
+        self.host_allocator: BlockAllocator | None = (
+            BlockAllocator(host_blocks, self.block_size, "hash" if num_offload_blocks else False)
+            if host_blocks else None)
+        self.tier = HostTier(allocator, self.host_allocator, bytes_per_block) if num_offload_blocks else None
+        self.swapper = Swapper(self, self.host_allocator if num_swap_blocks else None)
         self.swapped = self.swapper.swapped     # oldest admission first; their tables hold host blocks
-        self.host_allocator = self.swapper.host
         self.beams = BeamGroups(self)
         self.step = 0
         self.num_preemptions = 0
@@ -167,7 +176,19 @@ class Scheduler:
         if not plan.preempted and not self.swapped and self._batch_may_grow():
             self._admit_waiting(plan, now)
         self.num_cached_prompt_tokens += plan.num_cached_tokens
-        return plan.output(self.step, self.block_size)
+        output = plan.output(self.step, self.block_size)
+        self.add_tier_copies(output)
+        return output
+
+    def add_tier_copies(self, output: SchedulerOutput) -> None:
+        """Put the host tier's copies decided so far (offloads of evicted blocks, loads of
+        host hits) into ``output``: they run with its swaps, before its batch. ``schedule``
+        calls it; so must anything that allocates for the step after ``schedule`` (speculative
+        decoding's lookahead slots), for an evicted block is written by the step it joins."""
+        if self.tier is not None:
+            offloads, loads = self.tier.take_copies()
+            output.swap_out += offloads
+            output.swap_in += loads
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Phase 1: each running sequence computes its next chunk or decode token (a
@@ -336,6 +357,10 @@ class Scheduler:
     def swap_stats(self) -> dict:
         """The swapping counters, for ``LLM.stats()`` and the simulator's metrics."""
         return self.swapper.stats()
+
+    def tier_stats(self) -> dict:
+        """The host tier's counters (``HostTier.stats``), or {} without a tier."""
+        return self.tier.stats() if self.tier is not None else {}
 
     def sequences_holding_blocks(self) -> list[Sequence]:
         """Every sequence that holds KV blocks now, in admission order (the widgets draw them)."""

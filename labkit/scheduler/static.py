@@ -41,7 +41,7 @@ class StaticScheduler(Scheduler):
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int = 64,
                  max_model_len: int | None = None, reserve: str = "max_tokens",
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (), num_offload_blocks: int = 0, bytes_per_block: int = 0):
         if reserve not in ("max_tokens", "model"):
             raise ValueError(f"reserve must be 'max_tokens' or 'model', got {reserve!r}")
         if reserve == "model" and max_model_len is None:
@@ -49,7 +49,8 @@ class StaticScheduler(Scheduler):
         # The whole batch's prompts go in one iteration: no token budget, no chunking.
         super().__init__(allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=sys.maxsize,
                          enable_chunked_prefill=False, max_model_len=max_model_len,
-                         watermark=0.0, eos_token_ids=eos_token_ids)
+                         watermark=0.0, eos_token_ids=eos_token_ids,
+                         num_offload_blocks=num_offload_blocks, bytes_per_block=bytes_per_block)
         self.reserve = reserve
         self._held: list[Sequence] = []   # finished, blocks kept until the batch ends
         self._fork_copies: list[tuple[int, int]] = []   # beam forks' block copies, for the next plan

@@ -27,13 +27,13 @@ if TYPE_CHECKING:   # the scheduler owns its swapper; the import is for type hin
 
 
 class Swapper:
-    """The host pool and the swapped queue of one scheduler. With ``num_host_blocks`` 0
-    (preemption by recompute) there is no host pool and nothing is ever swapped."""
+    """The swapped queue of one scheduler and its side of the host pool. With no ``host``
+    (preemption by recompute) nothing is ever swapped. The pool may also hold a host tier's
+    blocks (cached-free: a swap-out evicts them when it needs the room)."""
 
-    def __init__(self, scheduler: Scheduler, num_host_blocks: int):
+    def __init__(self, scheduler: Scheduler, host: BlockAllocator | None):
         self.scheduler = scheduler
-        self.host: BlockAllocator | None = (
-            BlockAllocator(num_host_blocks, scheduler.block_size) if num_host_blocks else None)
+        self.host = host
         self.swapped: deque[Sequence] = deque()   # oldest admission first; their tables hold host blocks
         self.num_swap_outs = 0            # sequences swapped out
         self.num_swap_ins = 0             # sequences swapped back in

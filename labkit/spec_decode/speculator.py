@@ -265,6 +265,7 @@ class Speculator:
             n = min(k, scheduler.max_len(seq.request) - item.sample_position)
             if n > 0 and scheduler.blocks.allocate_slots([Growth(seq.block_table, (), n)]) is not None:
                 self._lookahead[seq] = n
+        scheduler.add_tier_copies(plan)     # blocks these slots evicted go to the host tier first
 
     def draft_of(self, item) -> Draft | None:
         """The guesses at the end of ``item``'s chunk (None for a chunk without)."""

@@ -97,7 +97,7 @@ class LLM:
         torch_dtype, dtype_reason = resolve_dtype(dtype, device)
         cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch_dtype)   # a bad name fails before loading
         _check_swap_args(preemption_mode, swap_space, num_host_blocks)
-        _check_offload_args(kv_offloading_size, num_offload_blocks, enable_prefix_caching)
+        _check_offload_args(kv_offloading_size, num_offload_blocks, enable_prefix_caching, policy)
         speculative_config = SpeculativeConfig.from_dict(speculative_config)   # refused before the model loads
 
         if kv_cache_memory is not None and (not isinstance(kv_cache_memory, int) or kv_cache_memory <= 0):
@@ -366,7 +366,7 @@ def _check_swap_args(mode, swap_space, num_host_blocks) -> None:
         raise ValueError(f"num_host_blocks must be a positive integer, got {num_host_blocks!r}")
 
 
-def _check_offload_args(size, num_blocks, enable_prefix_caching) -> None:
+def _check_offload_args(size, num_blocks, enable_prefix_caching, policy: str) -> None:
     """Refuse a host tier that cannot work, before anything is loaded."""
     if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0):
         raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
@@ -377,6 +377,9 @@ def _check_offload_args(size, num_blocks, enable_prefix_caching) -> None:
     if (size is not None or num_blocks is not None) and prefix_cache_policy(enable_prefix_caching) is None:
         raise ValueError("kv_offloading_size: the host tier keeps the blocks the prefix cache evicts; "
                          "turn prefix caching on (enable_prefix_caching=True, 'hash' or 'radix')")
+    if (size is not None or num_blocks is not None) and policy == "static":
+        raise ValueError("kv_offloading_size: the static baseline never reuses cached prefixes, so a host tier "
+                         "behind it would only copy blocks; serve with policy='continuous'")
 
 
 def _offload_blocks(size: float | None, num_blocks: int | None, swap_blocks: int, bytes_per_block: int) -> int:

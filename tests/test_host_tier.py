@@ -302,6 +302,7 @@ def test_llm_sizes_the_tier_in_gib_and_says_so(capsys):
     (dict(kv_offloading_size=1, num_offload_blocks=4), "not both"),
     (dict(kv_offloading_size=1, enable_prefix_caching=False), "turn prefix caching on"),
     (dict(kv_offloading_size=1e6), "host memory"),
+    (dict(kv_offloading_size=1, policy="static"), "static baseline never reuses"),
 ])
 def test_llm_refuses_a_tier_that_cannot_work(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -332,3 +333,73 @@ def test_the_benchmark_runs_the_three_configurations_and_the_tier_saves_prefill(
     assert rows["device+host"]["prefill_tokens"] < rows["device"]["prefill_tokens"]
     assert rows["device+host"]["loaded_mib"] > 0 and out["gpu_model"][0]["load_ms"] < out["gpu_model"][0]["prefill_ms"]
     assert tiers.main(["--configs", "device,cloud"]) == 2
+
+
+def test_the_simulator_runs_the_tier_and_costs_its_copies_on_a_gpus_link():
+    """On a modelled A100 (roofline) with labkit's gathered copies over PCIe 4.0: chat sessions
+    that come back after the device evicted them compute less and start sooner with the tier."""
+    from labkit.sim import multi_turn_trace, simulate
+    from labkit.sim.cost_model import SwapLink
+    from labkit.sim.roofline import HOST_LINKS, RooflineCostModel
+
+    trace = multi_turn_trace(num_sessions=24, turns=3, rate=4.0, seed=0)
+    cost = RooflineCostModel("llama-3-8b", "a100-80gb")
+    link = SwapLink(*HOST_LINKS["pcie4-x16"], cost.kv_bytes_per_token, 1, name="pcie4-x16, gathered")
+    runs = {off: simulate(trace, enable_prefix_caching=True, num_blocks=300, cost_model=cost, swap_link=link,
+                          num_offload_blocks=off, keep_records=False) for off in (0, 2048)}
+    plain, tiered = runs[0], runs[2048]
+    assert tiered.metrics["num_host_cache_hits"] > 0 and tiered.metrics["swap_time_s"] > 0
+    assert tiered.metrics["kv_loaded_bytes"] == tiered.metrics["num_host_cache_hits"] * 16 * cost.kv_bytes_per_token
+    computed = {k: r.engine.scheduler.num_prompt_tokens_computed for k, r in runs.items()}
+    assert computed[2048] < computed[0]
+    ttft = {k: sum(q.first_token_time - q.arrival_time for q in r.requests) / len(r.requests) for k, r in runs.items()}
+    assert ttft[2048] < ttft[0]
+    assert plain.metrics["leaked_host_blocks"] == tiered.metrics["leaked_host_blocks"] == 0
+
+
+def test_a_load_given_up_in_the_same_pass_is_neither_copied_nor_counted():
+    """A beam group admitted whole or not at all frees a table after its host hits were loaded:
+    those loads leave the plan, and the hit counters do not count them."""
+    device, host, tier = pools("hash")
+    doc = list(range(100, 108))
+    cached_table(device, doc)
+    hog = BlockTable(device)
+    hog.append_tokens(list(range(200, 216)), computed=False)
+    step_runs(tier)
+    hog.free()
+    blocks = BlockManager(device)
+    table = BlockTable(device)
+    blocks.allocate_slots([Growth(table, [1], prefix=blocks.find_cached_prefix(table, doc + [1], 8))])
+    table.free()                                     # the group did not fit: undone
+    out, loads = tier.take_copies()
+    assert loads == [] and tier.stats()["num_host_cache_hits"] == 0 and tier.stats()["num_host_cache_queries"] == 0
+    tier.copies_done()
+    assert host.num_used_blocks == 0 and device.num_used_blocks == 0
+    tier.check()
+
+
+def test_a_block_evicted_again_moves_to_the_fresh_end_of_the_hosts_lru():
+    device, host, tier = pools("hash", device_blocks=4, host_blocks=2)
+    a, b = list(range(10, 14)), list(range(20, 24))
+    for doc in (a, b):                               # both offloaded: a is the host's oldest
+        cached_table(device, doc)
+        hog = BlockTable(device)
+        hog.append_tokens(list(range(500, 516)), computed=False)
+        step_runs(tier)
+        hog.free()
+        device.reset_prefix_cache()
+    cached_table(device, a)                          # a computed again on the device, and evicted again
+    hog = BlockTable(device)
+    hog.append_tokens(list(range(500, 516)), computed=False)
+    assert tier.take_copies() == ([], []) and tier.num_already_offloaded == 1
+    tier.copies_done()
+    hog.free()
+    device.reset_prefix_cache()
+    cached_table(device, list(range(30, 34)))        # a third document needs the host's oldest block: b's
+    hog = BlockTable(device)
+    hog.append_tokens(list(range(500, 516)), computed=False)
+    step_runs(tier)
+    hog.free()
+    found = BlockManager(device)
+    assert found.find_cached_prefix(BlockTable(device), a + [1], 4).host_blocks != []
+    assert found.find_cached_prefix(BlockTable(device), b + [1], 4).host_blocks == []

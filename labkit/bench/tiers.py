@@ -16,7 +16,8 @@ Reported per configuration (``none``, ``device``, ``device+host``):
 * ``ttft_mean_s``, ``ttft_p50_s``, ``ttft_p99_s``: time to first token, wall clock (one request
   at a time, so it is the prefill, plus the copies back from the host);
 * ``offloaded_mib``, ``loaded_mib``: bytes copied device -> host and host -> device;
-* ``equal``: whether every greedy output equals the ``none`` configuration's.
+* ``equal``: whether every greedy output equals the first configuration's (``none``, unless
+  ``--configs`` says otherwise).
 
 On a CPU both pools are host memory, so the copies are memcpy; the counters and the
 mechanism are the ones a GPU server runs. The last table models a GPU with the roofline

@@ -50,7 +50,8 @@ class HostTier:
     copies), and no copy is pending.
     """
 
-    def __init__(self, device: BlockAllocator, host: BlockAllocator, bytes_per_block: int = 0):
+    def __init__(self, device: BlockAllocator, host: BlockAllocator, bytes_per_block: int = 0,
+                 num_blocks: int | None = None):
         if not isinstance(host.prefix_cache, HashPrefixCache):
             raise ValueError("a host tier needs a host pool with the hash policy (it files blocks by their hash)")
         if device.prefix_cache is None:
@@ -60,11 +61,16 @@ class HostTier:
         self.device, self.host = device, host
         self.block_size = device.block_size
         self.bytes_per_block = bytes_per_block
+        self.capacity = host.num_blocks if num_blocks is None else num_blocks   # blocks given to the tier
         self._cache: HashPrefixCache = host.prefix_cache
         self._out: list[tuple[int, int]] = []     # (device block, host block) offloads not in a plan yet
-        self._in: list[tuple[int, int]] = []      # (host block, device block) loads not in a plan yet
+        self._in: list[tuple[BlockTable, list[tuple[int, int]], int]] = []   # loads not in a plan yet:
+        #                                     (table, its (host block, device block) pairs, blocks looked up)
         self._pinned: list[int] = []              # host blocks named by those copies
         self._in_flight: list[int] = []           # host blocks named by the copies of the step running now
+        self.last_offloads: list[tuple[int, int]] = []   # what the last step copied down and up
+        self.last_loads: list[tuple[int, int]] = []      # (for widgets and tests: read after a step)
+        self._step_done = True
         self.num_offloaded_blocks = 0             # copies device -> host
         self.num_loaded_blocks = 0                # copies host -> device (hits)
         self.num_queries = 0                      # full blocks looked up here (after a device miss)
@@ -77,7 +83,10 @@ class HostTier:
         """The device pool is evicting ``block_id`` (it caches ``entry``): keep a host copy
         under the same hash, unless one is already here or the host pool has no block to
         give (every host block is held: swapped sequences, pinned copies)."""
-        if self._cache.peek(entry.block_hash, entry.parent_hash, entry.token_ids) is not None:
+        kept = self._cache.peek(entry.block_hash, entry.parent_hash, entry.token_ids)
+        if kept is not None:
+            self.host.hold_cached(kept)         # used again: most recently used end of the host's LRU
+            self.host.free(kept)
             self.num_already_offloaded += 1
             return
         if self.host.num_free_blocks == 0:
@@ -120,9 +129,7 @@ class HostTier:
         start, bs = table.num_tokens, self.block_size
         table.append_tokens(token_ids[start:start + len(host_blocks) * bs], computed=False)
         pairs = list(zip(host_blocks, table.block_ids[start // bs:], strict=True))
-        self._in += pairs
-        self.num_loaded_blocks += len(pairs)
-        self.num_queries += num_queries
+        self._in.append((table, pairs, num_queries))
 
     def pin(self, host_blocks: Sequence[int]) -> None:
         """Hold ``host_blocks`` until the step has run: a swap-in reads them then, after
@@ -135,13 +142,20 @@ class HostTier:
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The offloads and loads decided since the last call, for this step's plan: they
         run before anything else in the step (``copies_done`` unpins their host blocks)."""
-        out = self._out
-        # One load per device block: a load whose table was given up (a beam group admitted
-        # whole or not at all) may leave its block to a later load of the same pass.
-        loads = list({d: (h, d) for h, d in self._in}.values())
+        if self._step_done:                       # the first call for a new step
+            self.last_offloads, self.last_loads, self._step_done = [], [], False
+        out, loads = self._out, []
+        for table, pairs, num_queries in self._in:
+            if table.freed:
+                continue         # given up in the same pass (a beam group admitted whole or not at all)
+            loads += pairs
+            self.num_loaded_blocks += len(pairs)
+            self.num_queries += num_queries
         self._out, self._in = [], []
         self._in_flight += self._pinned
         self._pinned = []
+        self.last_offloads += out
+        self.last_loads += loads
         return out, loads
 
     def copies_done(self) -> None:
@@ -150,6 +164,7 @@ class HostTier:
         for h in self._in_flight:
             self.host.free(h)
         self._in_flight = []
+        self._step_done = True
 
     def reset(self) -> int:
         """Forget every tier block no copy needs. Returns how many."""
@@ -161,16 +176,12 @@ class HostTier:
         """Blocks the tier holds now (cached on the host)."""
         return self._cache.num_cached_blocks
 
-    @property
-    def num_hits(self) -> int:
-        return self.num_loaded_blocks
-
     def stats(self) -> dict:
         """The tier's counters, for ``LLM.stats()``, ``/metrics`` and the simulator
         (``docs/kv_offloading.md`` defines each)."""
         b = self.bytes_per_block
         return {
-            "kv_offloading_blocks": self.host.num_blocks,
+            "kv_offloading_blocks": self.capacity,
             "num_host_cached_blocks": self.num_blocks,
             "num_offloaded_blocks": self.num_offloaded_blocks,
             "num_host_cache_hits": self.num_loaded_blocks,

@@ -56,8 +56,10 @@ class BeamGroups:
 
     def admit(self, group: list[Sequence], budget: int) -> list[int] | None:
         """Admit every waiting beam of one request, or none (returns None, changing nothing
-        but prefix-cache recency); else the tokens each computes now. As in the running phase,
-        a beam computes its last token only if all of them can in this iteration."""
+        but prefix-cache recency, and what the blocks it took for a moment evicted: with a host
+        tier, those are offloaded, and its loads are dropped); else the tokens each computes now.
+        As in the running phase, a beam computes its last token only if all of them can in this
+        iteration."""
         sched = self.scheduler
         hits = [sched.blocks.find_cached_prefix(sched.new_table(s), s.token_ids, len(s.token_ids) - 1).num_tokens
                 for s in group]

@@ -91,7 +91,8 @@ class Scheduler:
         self.host_allocator: BlockAllocator | None = (
             BlockAllocator(host_blocks, self.block_size, "hash" if num_offload_blocks else False)
             if host_blocks else None)
-        self.tier = HostTier(allocator, self.host_allocator, bytes_per_block) if num_offload_blocks else None
+        self.tier = (HostTier(allocator, self.host_allocator, bytes_per_block, num_offload_blocks)
+                     if num_offload_blocks else None)
         self.swapper = Swapper(self, self.host_allocator if num_swap_blocks else None)
         self.swapped = self.swapper.swapped     # oldest admission first; their tables hold host blocks
         self.beams = BeamGroups(self)

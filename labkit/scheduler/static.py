@@ -42,6 +42,9 @@ class StaticScheduler(Scheduler):
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int = 64,
                  max_model_len: int | None = None, reserve: str = "max_tokens",
                  eos_token_ids: Iterable[int] = (), num_offload_blocks: int = 0, bytes_per_block: int = 0):
+        if num_offload_blocks:
+            raise ValueError("the static baseline never reuses cached prefixes: a host tier behind it would only "
+                             "copy blocks (serve with policy='continuous', or drop kv_offloading_size)")
         if reserve not in ("max_tokens", "model"):
             raise ValueError(f"reserve must be 'max_tokens' or 'model', got {reserve!r}")
         if reserve == "model" and max_model_len is None:

@@ -38,20 +38,24 @@ def simulate(trace: list[TraceRequest], policy: str = "continuous", *, block_siz
              cost_model=None, vocab_size: int = 32000, keep_records: bool = True,
              progress: bool = False, on_step=None, n: int = 1,
              beam_width: int | None = None, preemption_mode: str = "recompute",
-             num_host_blocks: int = 0, swap_link=None) -> SimResult:
+             num_host_blocks: int = 0, swap_link=None, num_offload_blocks: int = 0) -> SimResult:
     """Serve ``trace`` under ``policy``; every output runs to its trace length (no EOS).
     ``on_step(engine)``, if given, is called before the first iteration and after each one
     (the replay widget records snapshots with it). ``n`` > 1: every request samples ``n``
     outputs (parallel sampling); ``beam_width``: every request runs beam search of that
     width instead (the SimExecutor's pseudo log-probabilities make its beams fork and die).
     ``preemption_mode="swap"`` preempts by swapping to ``num_host_blocks`` host blocks, each
-    copy costed on ``swap_link`` (default: the cost model's link, see ``SwapLink``)."""
+    copy costed on ``swap_link`` (default: the cost model's link, see ``SwapLink``).
+    ``num_offload_blocks``: a host tier behind the prefix cache (``memory/host_tier.py``),
+    its copies costed on the same link."""
     request_params = _request_params(n, beam_width)
     allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
     scheduler = make_scheduler(policy, allocator, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                max_num_batched_tokens=max_num_batched_tokens, watermark=watermark,
                                preemption_mode=preemption_mode, num_host_blocks=num_host_blocks,
-                               enable_chunked_prefill=enable_chunked_prefill, reserve=reserve)
+                               enable_chunked_prefill=enable_chunked_prefill, reserve=reserve,
+                               num_offload_blocks=num_offload_blocks,
+                               bytes_per_block=block_size * getattr(cost_model, "kv_bytes_per_token", 0))
     engine = Engine(scheduler, SimExecutor(cost_model, vocab_size, swap_link), keep_records=keep_records)
 
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
@@ -130,6 +134,7 @@ def _swap_metrics(engine: Engine, reqs: list[Request]) -> dict:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
     return {
         **sched.swap_stats(),
+        **sched.tier_stats(),
         "swap_time_s": getattr(engine.executor, "swap_s", 0.0),
         "recomputed_tokens": sched.num_prompt_tokens_computed + sched.num_cached_prompt_tokens - prompt_tokens,
         "normalized_latency_s": sum(norm) / len(norm) if norm else float("nan"),

@@ -27,6 +27,10 @@
   ``speculation_text``): at each step of speculative decoding, the guesses, which the target kept,
   and the KV slots they took while verifying and gave back after.
 
+* the **tiers' view** (``record_tiers``, ``tier_figure``, ``tier_figure_dict``): the device pool
+  and the host tier behind the prefix cache, step by step, with the blocks each step copied
+  down (an eviction the tier kept) and back up (a hit instead of a recompute).
+
 Importing ``labkit.viz`` is light: plotly and ipywidgets load when a figure or widget is
 first built (``pip install 'labkit[lab]'`` provides them). Figure functions return plain
 ``go.Figure``s (call ``.show()``); their ``*_data`` / ``*_dict`` twins return plain data.
@@ -61,6 +65,7 @@ _EXPORTS = {
     "grammar_figure": "structured",
     "record_speculation": "speculative", "speculation_data": "speculative", "speculation_figure": "speculative",
     "speculation_text": "speculative",
+    "record_tiers": "tiers", "tier_snapshot": "tiers", "tier_figure_dict": "tiers", "tier_figure": "tiers",
 }
 
 __all__ = sorted(_EXPORTS)

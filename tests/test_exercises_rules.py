@@ -44,6 +44,7 @@ from labkit.exercises import sampling as SA
 from labkit.exercises import serving as S
 from labkit.exercises import speculative as SP
 from labkit.exercises import structured as X
+from labkit.exercises import tiers as TI
 from labkit.sim import TraceRequest, simulate
 
 # ---- plain facts standing in for the live objects -------------------------------------------------
@@ -231,6 +232,18 @@ EXERCISES = [
              [Part(k, "set", lambda: [set(p) for n in range(len(X.EX1_VOCAB) + 1)
                                       for p in itertools.combinations(range(len(X.EX1_VOCAB)), n)])
               for k in range(len(X.EX1_TEXTS))]),
+    Exercise("13.1", TI.check_quantized_bytes, lambda: tuple(TI.ex1_expected().values()),
+             [Part(0, "count", counts(TI.ex1_expected()["bf16_bytes"] - 800, TI.ex1_expected()["bf16_bytes"] + 800)),
+              Part(1, "count", counts(TI.ex1_expected()["int8_bytes"] - 800, TI.ex1_expected()["int8_bytes"] + 800)),
+              Part(2, "number", grid(lambda: TI.ex1_expected()["tokens_ratio"], 0.7),
+                   lambda: TI.ex1_expected()["tokens_ratio"], RATIO)]),
+    Exercise("13.2", TI.check_copy_or_recompute, lambda: tuple(TI.ex2_expected().values()),
+             [Part(0, "number", grid(lambda: TI.ex2_expected()["load_ms"]), lambda: TI.ex2_expected()["load_ms"],
+                   {"number": lambda x: x}),
+              Part(1, "number", grid(lambda: TI.ex2_expected()["break_even_gbps"]),
+                   lambda: TI.ex2_expected()["break_even_gbps"], {"number": lambda x: x})]),
+    Exercise("13.3", TI.check_tier_rounds, lambda: tuple(TI.ex3_expected().values()),
+             [Part(0, "count", counts(0, 60)), Part(1, "count", counts(0, 60)), Part(2, "count", counts(0, 60))]),
     Exercise("12.3", X.check_jump_blocks, lambda: tuple(X.jump_blocks()[n] for n in ("blocks_during", "blocks_after",
                                                                                   "tokens_gained")),
              [Part(0, "count", counts(0, 60)), Part(1, "count", counts(0, 60)), Part(2, "count", counts(0, 60))]),
@@ -261,7 +274,7 @@ def test_the_registry_covers_every_value_grader():
     """Every grader of the modules above that takes values (not functions) is in ``EXERCISES``: a
     grader of code (12.2's ``token_allowed``) comes in two halves, ``probe`` and ``judge``."""
     graded = {e.grader for e in EXERCISES}
-    for module in (EN, M, B, D, S, SA, BM, P, SP, X):
+    for module in (EN, M, B, D, S, SA, BM, P, SP, X, TI):
         for name in dir(module):
             f = getattr(module, name)
             if getattr(f, "judge", None) is not None:

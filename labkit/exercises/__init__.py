@@ -10,7 +10,8 @@ keeps: one rounding rule, hints that diagnose and never navigate, plain-data arg
 tests, ``batching`` chapter 4, ``kernels`` chapter 5, ``sampling`` chapter 6's sampling
 exercise (6.3), ``disagg`` chapter 7, ``serving`` chapter 8, ``beams`` chapter 9 (beam search
 on shared blocks and swapping), ``prefix`` chapter 10 (prefix caching by hashes and by a
-radix tree) and ``speculative`` chapter 11 (speculative decoding on the block table). Each
+radix tree), ``speculative`` chapter 11 (speculative decoding on the block table),
+``structured`` chapter 12 and ``tiers`` chapter 13 (a quantized KV cache, a host tier). Each
 grader module's ``answer_forms()`` lists what would give its answers away.
 
 Importing this package in a notebook's kernel makes a check cell whose answer variables are

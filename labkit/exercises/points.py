@@ -64,6 +64,10 @@ POINTS: dict[str, int] = {
     "12.1": 2,  # the tokens a grammar allows next over a toy vocabulary, after three texts
     "12.2": 3,  # a token walked through an automaton
     "12.3": 2,  # a jump-forward step on the block table: blocks during and after, tokens gained
+    # 13 memory tiers: a quantized KV cache and a host tier
+    "13.1": 2,  # bytes per token in bf16 and int8 with scales, and the tokens ratio
+    "13.2": 2,  # copy a document back over PCIe or recompute it: time, break-even bandwidth
+    "13.3": 2,  # a loop of documents larger than the cache: tokens computed without and with a tier
 }
 
 

@@ -4,7 +4,7 @@
   token and KV head (labkit's and vLLM's per-token-head layout), and how many times more tokens
   the same memory holds; computed by ``labkit.model.kv_cache.kv_bytes_per_token``, the function
   that sizes the engine's own cache;
-* 13.2: copy or recompute: a 768-token document of Llama-3-8B (bf16) comes back from host
+* 13.2: copy or recompute: a 1024-token document of Llama-3-8B (bf16) comes back from host
   memory over PCIe 4.0 x16 (25 GB/s, latency ignored), against prefilling it again on an A100
   (the roofline cost model's time, ``EX2_PREFILL_S``): the copy's time in milliseconds, and the
   link bandwidth at which both take as long;
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
-from ._grading import check_exact, check_number, fail, graded, passed, read_count, shown, sig
+from ._grading import check_exact, check_number, check_quantity, fail, graded, passed, read_count, shown, sig
 
 # ---- exercise 13.1: bytes per token, quantized ---------------------------------------------------
 EX1_MODEL = "Llama-3-8B"
@@ -98,7 +98,8 @@ def check_quantized_bytes(bf16_bytes: object, int8_bytes: object, tokens_ratio: 
 
 
 # ---- exercise 13.2: copy it back, or compute it again ----------------------------------------------
-EX2_TOKENS = 768                 # the document
+EX2_TOKENS = 1024                # the document (its answers sit far from a rounding boundary)
+TIME_UNITS = {"s": 1.0, "ms": 1e-3}
 EX2_LINK_GBPS = 25.0             # PCIe 4.0 x16, one direction, GB/s (10^9 bytes a second)
 EX2_HARDWARE = "a100-80gb"
 
@@ -126,8 +127,8 @@ def _ex2_mistakes() -> dict[str, list[tuple[float, str]]]:
     what = ("Which bytes cross the link: the document's K and V for every layer, in the cache's dtype (bf16).")
     load = [(e["load_ms"] * 2**30 / 1e9, gib), (e["load_ms"] * 1e9 / 2**30, gib), (e["load_ms"] * 8, bits),
             (e["load_ms"] / 2, what), (e["load_ms"] * 2, what),
-            (e["load_ms"] / EX1_LAYERS, what), (e["load_ms"] * ex1_expected()["int8_bytes"] / per_token, what),
-            (e["load_ms"] / 1e3, "The answer is in milliseconds.")]
+            (e["load_ms"] / EX1_LAYERS, what), (e["load_ms"] * ex1_expected()["int8_bytes"] / per_token, what)]
+    load = [(ms / 1e3, hint) for ms, hint in load]          # in seconds, the unit check_quantity compares in
     even = [(e["break_even_gbps"] * 1e9 / 2**30, gib), (e["break_even_gbps"] * 8, bits),
             (ex2_prefill_s() * 1e3 / e["load_ms"], "The break-even point is a bandwidth: the bytes to move over "
                                                     "the time recomputing takes."),
@@ -146,9 +147,13 @@ def check_copy_or_recompute(load_ms: object, break_even_gbps: object) -> None:
     hints = {"load_ms": "Time is bytes over bandwidth: how many bytes does the document's cache take?",
              "break_even_gbps": "At the break-even point the copy's time equals the prefill's: which bandwidth "
                                 "moves the document's bytes in exactly that time?"}
-    for name, value in (("load_ms", load_ms), ("break_even_gbps", break_even_gbps)):
-        wrong = [(v, h) for v, h in mistakes[name] if sig(v) != sig(right[name])]
-        check_number(name, value, right[name], mistakes=wrong, hint=hints[name])
+    load_s = right["load_ms"] / 1e3
+    wrong = [(v, h) for v, h in mistakes["load_ms"] if sig(v) != sig(load_s)]
+    check_quantity("load_ms", load_ms, load_s, units=TIME_UNITS, default_unit="ms", mistakes=wrong,
+                   hint=hints["load_ms"])       # a bare number is in ms; "5.37 ms" or "0.00537 s" too
+    wrong = [(v, h) for v, h in mistakes["break_even_gbps"] if sig(v) != sig(right["break_even_gbps"])]
+    check_number("break_even_gbps", break_even_gbps, right["break_even_gbps"], mistakes=wrong,
+                 hint=hints["break_even_gbps"])
     passed(f"{sig(right['load_ms'])} ms to copy the document back against {sig(ex2_prefill_s() * 1e3)} ms to "
            f"recompute it: copying wins on any link faster than {sig(right['break_even_gbps'])} GB/s, and PCIe "
            f"carries {sig(EX2_LINK_GBPS)}.")

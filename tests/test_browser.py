@@ -82,6 +82,13 @@ def live_status(pg) -> str:
     return next((t for t in texts if t.startswith("step ")), "")
 
 
+def settled_status(pg, quiet_ms: int) -> str:
+    """The status line if it stays the same for ``quiet_ms``, else "" (for ``wait_for``)."""
+    first = live_status(pg)
+    pg.wait_for_timeout(quiet_ms)
+    return first if first and live_status(pg) == first else ""
+
+
 def live_plot_state(pg) -> dict:
     """What the live block view's plot shows now: title, cell texts, the blocks' shapes."""
     return pg.evaluate("""() => {
@@ -159,9 +166,10 @@ def test_widgets_in_jupyterlab(lab, page):
     live_cell.locator(".widget-play button").first.click()
     wait_for(lambda: int(live_status(pg).split()[1]) >= start + 2, 20, "play to step the engine twice")
     live_cell.locator(".widget-play button:visible").last.click()     # stop
-    pg.wait_for_timeout(800)
-    stopped = live_status(pg)
-    pg.wait_for_timeout(1200)
+    # Ticks sent before the stop may still be queued in a busy kernel: they run, then the
+    # status must settle (unchanged for 1.5 s) and stay settled.
+    stopped = wait_for(lambda: settled_status(pg, 1500), 30, "the status line to settle after stop")
+    pg.wait_for_timeout(1500)
     assert live_status(pg) == stopped, "the engine kept stepping after stop"
 
     # The Output fallback (what Colab gets) draws a plotly figure and redraws it on Step.

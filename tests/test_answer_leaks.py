@@ -122,6 +122,7 @@ def declared():
     return declared_forms()
 
 
+@pytest.mark.slow   # declared_forms() computes every exercise's answers (seconds)
 def test_the_scan_has_something_to_scan(declared):
     forms, without = declared
     assert STUDENT_NOTEBOOKS, "no student notebooks: python -m labkit.notebooks generate"
@@ -130,6 +131,7 @@ def test_the_scan_has_something_to_scan(declared):
         print("grader modules without answer_forms (not scanned):", ", ".join(without))
 
 
+@pytest.mark.slow   # declared_forms() computes every exercise's answers (seconds)
 def test_every_declared_exercise_has_a_check_cell(declared):
     forms, _ = declared
     checked = {ex for path in STUDENT_NOTEBOOKS for ex in check_cells(nbformat.read(path, as_version=4))}
@@ -137,6 +139,7 @@ def test_every_declared_exercise_has_a_check_cell(declared):
     assert not stale, f"answer_forms names exercises no student notebook checks: {stale}"
 
 
+@pytest.mark.slow   # declared_forms() computes every exercise's answers (seconds)
 @pytest.mark.parametrize("path", STUDENT_NOTEBOOKS, ids=[p.stem for p in STUDENT_NOTEBOOKS])
 def test_no_answer_before_its_check(declared, path):
     forms, _ = declared

@@ -381,6 +381,7 @@ def test_body_limits(server):
 
 
 @pytest.mark.server
+@pytest.mark.slow
 def test_silent_and_trickling_connections_are_cut(server):
     """Slowloris: a connection that sends nothing, and one that sends its request head a
     byte at a time, are closed after header_timeout_s (1 s here), with a 408."""
@@ -514,6 +515,7 @@ TTFT_FACTOR, TTFT_SLACK_MS = 3.0, 2000.0
 
 
 @pytest.mark.server
+@pytest.mark.slow
 def test_classroom_load():
     """30 polite keys, two requests in flight each, beside one hog (40 unread streams,
     a flood of long requests retried at once, 2 MiB bodies, wrong keys, silent

@@ -252,6 +252,7 @@ print(repr((omp, "numba.np.ufunc.omppool" in sys.modules, llm.runner.attention_b
 
 @needs_ext
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
+@pytest.mark.slow
 def test_one_openmp_runtime_serves_matmuls_and_attention():
     """Issue 14: one thread pool. With the C++ kernels a generation loads one OpenMP
     runtime (torch's), and Numba's OpenMP layer is never started."""

@@ -78,6 +78,13 @@ CONFIGS = {
 }
 
 
+# make test-fast runs these six (each feature at least once: both policies and none, swap,
+# chunking, the host tier, static batching); make test runs all thirteen.
+FAST_CONFIGS = {"continuous-chunked", "continuous-chunked-radix-swap", "continuous-whole-cached-swap", "static-cached",
+                "continuous-chunked-cached-tier", "continuous-whole-radix-swap-tier"}
+CONFIG_PARAMS = [pytest.param(c, marks=[] if c in FAST_CONFIGS else [pytest.mark.slow]) for c in CONFIGS]
+
+
 def scheduler_options(config: str) -> dict:
     _, chunked, _, mode, tier = CONFIGS[config]
     return dict(max_num_seqs=4, max_num_batched_tokens=24, enable_chunked_prefill=chunked,
@@ -533,14 +540,14 @@ def check_reached_everything(events: collections.Counter, config: str, *, model:
     assert not missing, f"{config}: never reached {missing} ({dict(events)})"
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", CONFIG_PARAMS)
 def test_simulated_engine_under_random_use(config):
     machine = type(f"Sim_{config}", (SimMachine,), {"CONFIG": config})
     run_state_machine_as_test(machine, settings=SIM_SETTINGS)
     check_reached_everything(EVENTS[machine.__name__], config, model=False)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", CONFIG_PARAMS)
 def test_model_engine_under_random_use(config):
     machine = type(f"Model_{config}", (ModelMachine,), {"CONFIG": config})
     # The static policy refuses n > 1 and forks, so fewer of its requests count towards

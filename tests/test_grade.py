@@ -474,6 +474,7 @@ def test_bug_hunt_runs_come_in_an_order_a_counting_test_cannot_guess():
             bughunt.check_generated_tokens_test(counting)
 
 
+@pytest.mark.slow
 def test_verdicts_from_what_the_cells_raised():
     """Each exercise's result from what ran (no kernel): the rules of ``notebook._verdicts``."""
     lab = Distributed.read(PATHS.notebooks / CHAPTER)

@@ -104,6 +104,7 @@ def test_makefile_names_pytorchs_cpu_index():
 
 
 @needs_make
+@pytest.mark.slow
 def test_setup_installs_torch_from_the_cpu_index_when_it_answers(tmp_path):
     with _package_index(tmp_path) as index:
         run, pip = _make_setup(tmp_path, index, has_torch=False)
@@ -116,6 +117,7 @@ def test_setup_installs_torch_from_the_cpu_index_when_it_answers(tmp_path):
 
 
 @needs_make
+@pytest.mark.slow
 def test_setup_falls_back_to_the_default_index_quickly_and_says_so(tmp_path):
     start = time.monotonic()
     run, pip = _make_setup(tmp_path, f"http://127.0.0.1:{_closed_port()}/whl/cpu", has_torch=False)
@@ -127,6 +129,7 @@ def test_setup_falls_back_to_the_default_index_quickly_and_says_so(tmp_path):
 
 
 @needs_make
+@pytest.mark.slow
 def test_setup_never_replaces_an_importable_torch(tmp_path):
     run, pip = _make_setup(tmp_path, CPU_INDEX, has_torch=True)
     assert run.returncode == 0, run.stdout + run.stderr

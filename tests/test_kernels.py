@@ -673,6 +673,7 @@ except RuntimeError as err:
     assert result.stdout.split("\n")[:3] == [auto, "(1, 2, 16)", "refused: True"]
 
 
+@pytest.mark.slow
 def test_the_engine_sets_up_the_interpreter_before_transformers_imports_triton():
     """Transformers imports torch._dynamo, which imports Triton: Triton's own @jit library
     (tl.max ...) is then defined compiled, and an interpreted kernel calling it fails. LLM()

@@ -400,5 +400,6 @@ def test_prefix_cache_under_random_interleavings():
     run_state_machine_as_test(PrefixCachingMachine, settings=SETTINGS)
 
 
+@pytest.mark.slow
 def test_radix_cache_under_random_interleavings():
     run_state_machine_as_test(RadixMachine, settings=SETTINGS)

@@ -79,6 +79,7 @@ def _script_stderr(code: str, **extra) -> str:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GOMP_SPINCOUNT is GNU OpenMP's (Linux)")
+@pytest.mark.slow
 def test_a_script_importing_torch_first_is_told_once_what_to_do():
     """Too late to fix from inside: LLM() says so once per process, with both remedies."""
     err = _script_stderr("import torch\n" + _TWO_ENGINES)
@@ -87,6 +88,7 @@ def test_a_script_importing_torch_first_is_told_once_what_to_do():
     assert "RuntimeWarning" in err
 
 
+@pytest.mark.slow
 def test_labkit_first_needs_no_warning():
     assert "torch was imported before labkit" not in _script_stderr("import labkit, torch\n" + _TWO_ENGINES)
 
@@ -114,6 +116,7 @@ def test_the_warning_rule(monkeypatch, env, threads, warns):
     assert openmp.warn_if_too_late(2) is False
 
 
+@pytest.mark.slow
 def test_import_labkit_records_whether_it_came_too_late():
     """``too_late`` only when torch was first and nothing was chosen: the case to warn about."""
     def too_late(**extra) -> str:

@@ -288,6 +288,7 @@ BAD_REQUESTS = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_requests_while_a_long_request_streams(small_server):
     """Each bad request gets its status and OpenAI's error body; one more request than the
     queue holds gets 429; a long request streams on to completion meanwhile."""

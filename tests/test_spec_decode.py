@@ -330,6 +330,7 @@ def decoded_over_seeds(models):
 SAMPLED = {"method": "draft_layers", "num_layers": 1, "num_speculative_tokens": 2, "draft_sampling": "sample"}
 
 
+@pytest.mark.slow
 def test_sampled_guesses_keep_the_distribution(models, decoded_over_seeds):
     engine = make_engine(models["target"], SAMPLED, max_num_seqs=256, num_blocks=2048)
     spec = outputs_over_seeds(engine, 3000)
@@ -340,6 +341,7 @@ def test_sampled_guesses_keep_the_distribution(models, decoded_over_seeds):
 
 
 @pytest.mark.parametrize("broken", ["accept-always", "resample-from-p"])
+@pytest.mark.slow
 def test_a_broken_rule_changes_the_distribution(models, decoded_over_seeds, monkeypatch, broken):
     if broken == "accept-always":
         monkeypatch.setattr(rejection, "acceptance_probability", lambda p_x, q_x: torch.ones_like(p_x))
@@ -400,6 +402,7 @@ def first_layers(loaded: LoadedModel, n: int) -> LoadedModel:
     return LoadedModel(f"{loaded.name}-first{n}", config, keep, loaded.tokenizer)
 
 
+@pytest.mark.slow
 def test_greedy_equality_on_the_default_model_every_method(smol):
     tok = smol.tokenizer
     text = ("Rain fell on the old harbour town. Fishing boats rocked at their moorings, and the gulls "

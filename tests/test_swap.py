@@ -82,6 +82,7 @@ REAL_PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 def test_real_model_greedy_tokens_equal_under_swap_recompute_and_none():
     params = greedy(24)
     ample = LLM("smollm2-135m", num_blocks=64, block_size=4)

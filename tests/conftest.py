@@ -45,3 +45,4 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     return f"labkit: CUDA {'available' if _HAS_CUDA else 'not available: gpu tests skip'}"
+

@@ -1,8 +1,11 @@
 """The engine end to end: greedy tokens equal Hugging Face's, under every scheduling stress.
 
-The reference is transformers' ``generate`` on one prompt at a time (batch of one, fp32,
-the same weights), so nothing about labkit's batching, paging, chunking, prefix caching or
-preemption may change a single token.
+The reference is Hugging Face transformers' greedy decoding of one prompt at a time (batch of
+one, fp32, the same weights), so nothing about labkit's batching, paging, chunking, prefix
+caching or preemption may change a single token. For tiny-llama it is ``generate`` itself;
+for SmolLM2 (33 prompts of 64 tokens, two minutes of ``generate`` on 2 cores) it is
+:func:`hf_greedy_by_forcing`, which finds the same tokens in one forward pass per prompt, and
+``tests/test_model.py`` holds the engine's runner to ``generate`` on the same model.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import torch
 
 from labkit import LLM, SamplingParams
 from labkit.model import load_model
+
+from run_once import computed_once
 
 
 def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -30,6 +35,37 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[l
             y = hf_model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
         assert y.shape[1] == len(ids) + max_new_tokens
         outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def hf_greedy_by_forcing(hf_model, prompts: list[list[int]], max_new_tokens: int,
+                         guesses: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuations of ``prompts`` (past EOS, as ``ignore_eos`` runs), found by
+    checking a guess instead of decoding token by token.
+
+    One causal forward pass over ``prompt + guess`` gives the model's argmax after every prefix
+    of the guess. Where the guess is HF's argmax at every position, it *is* HF's greedy
+    continuation; at the first position where it is not, HF's own token replaces the guess's,
+    everything after it is dropped, and the check runs again on the mended guess (growing by
+    HF's next argmax until it is ``max_new_tokens`` long). So the result does not depend on
+    the guess, only the time it takes: a right guess costs one forward pass, a wrong one up to
+    ``max_new_tokens``. (Greedy decoding is this argmax chain; ``generate`` computes it with a
+    KV cache, the forward pass without, which differ by rounding only.)"""
+    outs = []
+    for ids, guess in zip(prompts, guesses, strict=True):
+        guess = list(guess[:max_new_tokens])
+        while True:
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([ids + guess])).logits[0, len(ids) - 1:]
+            best = logits.argmax(-1).tolist()          # best[j]: HF's token after prompt + guess[:j]
+            wrong = next((j for j, (g, b) in enumerate(zip(guess, best)) if g != b), None)
+            if wrong is not None:
+                guess = guess[:wrong] + [best[wrong]]
+            elif len(guess) < max_new_tokens:
+                guess.append(best[len(guess)])
+            else:
+                break
+        outs.append(guess)
     return outs
 
 
@@ -91,6 +127,18 @@ def test_tiny_greedy_equals_hf_under_every_config(tiny, name):
     if name == "chunked-prefill":
         assert all(len(r.ran) and sum(n for *_, n, _ in r.ran) <= 16 for r in llm.engine.records)
     assert_pool_whole(llm)
+
+
+def test_greedy_by_forcing_is_generate_whatever_the_guess(tiny):
+    """The SmolLM2 reference's method against ``generate`` itself: no guess, the right one, one
+    wrong from its first token, one right for 10 tokens then wrong, one too short, one too long."""
+    hf = load_model("tiny-llama").hf_model()
+    prompts, ref = tiny["prompts"][:5], tiny["ref"][:5]
+    vocab = hf.config.vocab_size
+    wrong = [[(t + 1) % vocab for t in r] for r in ref]
+    for guesses in ([[]] * 5, ref, wrong, [r[:10] + w[10:] for r, w in zip(ref, wrong, strict=True)],
+                    [r[:3] for r in ref], [r + r for r in ref]):
+        assert hf_greedy_by_forcing(hf, prompts, TINY_LEN, guesses) == ref
 
 
 def test_tiny_prefix_cache_hits_and_same_tokens(tiny):
@@ -171,7 +219,7 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(tmp_path_factory):
     loaded = load_model("smollm2-135m")
     tok = loaded.tokenizer
     system = ("You are a patient teacher of computer systems. Answer clearly, precisely and briefly; "
@@ -183,9 +231,19 @@ def smol():
 
     prompts = [list(chat(q)) for q in QUESTIONS]
     shared = [list(chat(q, system)) for q in QUESTIONS[:8]]
-    hf = loaded.hf_model()
-    return {"loaded": loaded, "prompts": prompts, "shared": shared,
-            "ref": hf_greedy(hf, prompts, SMOL_NEW), "ref_shared": hf_greedy(hf, shared, SMOL_NEW)}
+
+    def references():
+        hf = loaded.hf_model()
+        # the guesses only save time (see hf_greedy_by_forcing): the engine's own greedy tokens
+        llm = LLM(loaded.path or "smollm2-135m", num_blocks=512, enable_prefix_caching=False)
+        guess = [o.outputs[0].token_ids for o in llm.generate(prompts + shared, greedy(SMOL_NEW), use_tqdm=False)]
+        return {"prompts": prompts, "shared": shared,
+                "ref": hf_greedy_by_forcing(hf, prompts, SMOL_NEW, guess[:len(prompts)]),
+                "ref_shared": hf_greedy_by_forcing(hf, shared, SMOL_NEW, guess[len(prompts):])}
+
+    refs = computed_once(tmp_path_factory, "smollm2-hf-references", references)
+    assert (refs["prompts"], refs["shared"]) == (prompts, shared), "another run's references"
+    return {"loaded": loaded, **refs}
 
 
 SMOL_CONFIGS = {

@@ -77,6 +77,8 @@ RULES = [
          "minutes of the real model; tests/test_kv_cache_dtype.py runs this benchmark on tiny-llama (auto, int8)"),
     Rule(r"python -m labkit\.bench tiers\b", "parse",
          "minutes of the real model; tests/test_host_tier.py runs this benchmark on tiny-llama (all three configs)"),
+    Rule(r"python -m labkit\.bench gpu-compile\b", "parse",
+         "tests/test_gpu_compile.py compiles this subset and more (--quick: every target and dtype)"),
     Rule(r"python -m labkit\.bench\b", "run", timeout_s=600, slow=True),
     Rule(r"python -m labkit\.notebooks check\b", "run", timeout_s=120),
 ]

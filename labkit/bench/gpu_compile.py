@@ -491,7 +491,7 @@ def _csv(kind, values: str | None, default):
     return [kind(v.strip()) for v in values.split(",") if v.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m labkit.bench gpu-compile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print every build (kernel x target x dtype x shape) as JSON")
@@ -510,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-model", action="store_true", help="the grid only")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: the cores)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.worker:
         return run_worker()
 

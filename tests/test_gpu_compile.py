@@ -3,14 +3,15 @@ Triton kernel the engine launches for the GPUs students get (sm_75: Colab's T4, 
 sm_89: L4, sm_90: H100) and checks each build against the GPU's limits.
 
 CI compiles the ``--quick`` subset: every kernel, every target and every dtype it runs
-(fp16 and fp32 everywhere, bf16 from sm_80), on three shapes that together cover head dims
-64/96/128, GQA groups 1/3/8 and block sizes 8/16/32: the default model's (SmolLM2: 3 KV
+(fp16 and fp32 everywhere, bf16 from sm_80) on the default model's shape (SmolLM2: 3 KV
 heads, group 3, head dim 64, blocks of 16; the grid's head dim 64 stands in when the model is
-not cached), head dim 128 x group 8 x blocks of 32 (the largest tiles), head dim 96 (padded
-to 128) x group 1 x blocks of 8 (two blocks per key tile); and on the first of these shapes the
-quantized KV caches (kv_cache_dtype int8 everywhere, fp8 from sm_89). About 235 builds, ~1 s
-of CPU each. The full matrix (all 96 grid shapes, block size 64 too) is the CLI's default and
-docs/gpu.md's figures.
+not cached), with the quantized KV caches (kv_cache_dtype int8 everywhere, fp8 from sm_89);
+and on the T4 (sm_75: the least shared memory, where the largest tiles bind first) and the
+H100 (sm_90: the newest code generation), two grid shapes that with the first cover head dims
+64/96/128, GQA groups 1/3/8 and block sizes 8/16/32: head dim 128 x group 8 x blocks of 32
+(the largest tiles), head dim 96 (padded to 128) x group 1 x blocks of 8 (two blocks per key
+tile). About 190 builds, ~1 s of CPU each. The full matrix (all 96 grid shapes, block size 64
+too) is the CLI's default and docs/gpu.md's figures.
 
 The compile runs in worker processes with TRITON_INTERPRET=0: this process defined its
 kernels under the interpreter (conftest), and those cannot be compiled.
@@ -25,16 +26,19 @@ import tempfile
 import pytest
 
 from labkit.bench import gpu_compile as G
+from run_once import computed_once
 
 KERNELS = {"reshape_and_cache", "paged_decode", "paged_decode_split", "paged_decode_reduce", "paged_prefill"}
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """The CI subset, compiled once for the module: (exit status, report)."""
-    out = tmp_path_factory.mktemp("gpu-compile") / "report.json"
-    status = G.main(["--quick", "--jobs", str(min(4, os.cpu_count() or 1)), "--out", str(out)])
-    return status, json.loads(out.read_text())
+    """The CI subset, compiled once for the run (however many xdist workers ask): (exit status, report)."""
+    def compile_quick():
+        out = tmp_path_factory.mktemp("gpu-compile") / "report.json"
+        status = G.main(["--quick", "--jobs", str(min(4, os.cpu_count() or 1)), "--out", str(out)])
+        return [status, json.loads(out.read_text())]
+    return tuple(computed_once(tmp_path_factory, "gpu-compile-quick", compile_quick))
 
 
 @pytest.mark.slow
@@ -49,7 +53,8 @@ def test_every_kernel_compiles_and_fits_every_gpu(quick):
             for shape in shapes:
                 where = (target.name, dtype, shape)
                 built = {r["kernel"] for r in rows if (r["target"], r["dtype"], r["shape"]) == where}
-                assert built == KERNELS, (target.name, dtype, shape)
+                everywhere = shape == shapes[0] or target.name in G.QUICK_GRID_TARGETS
+                assert built == (KERNELS if everywhere else set()), (target.name, dtype, shape)
     assert not any(r["target"] == "sm_75" and r["dtype"] == "bf16" for r in rows)   # the T4 has no bf16
     # The quantized caches: every kernel that reads or writes the cache, on the first shape, where
     # the GPU runs them (int8 everywhere; fp8 e4m3 needs sm_89's conversions: the L4, the H100).

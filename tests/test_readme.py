@@ -79,6 +79,16 @@ RULES = [
          "minutes of the real model; tests/test_host_tier.py runs this benchmark on tiny-llama (all three configs)"),
     Rule(r"python -m labkit\.bench gpu-compile\b", "parse",
          "tests/test_gpu_compile.py compiles this subset and more (--quick: every target and dtype)"),
+    # Benchmarks the suite runs elsewhere (each a minute of the real model or the simulator here):
+    # their README lines are checked against their parsers, not run a second time.
+    Rule(r"python -m labkit\.bench structured\b", "parse",
+         "chapter 12 runs this benchmark on the real model (section 6), in tests/test_notebooks.py"),
+    Rule(r"python -m labkit\.bench prefix\b", "parse",
+         "chapter 10 runs this benchmark (tests/test_notebooks.py); tests/test_radix_cache.py checks its report"),
+    Rule(r"python -m labkit\.bench sharing\b", "parse",
+         "tests/test_exercises_beams.py runs this benchmark (test_bench_sharing_prints_the_table_beside_the_paper)"),
+    Rule(r"python -m labkit\.bench step\b", "parse",
+         "tests/test_kernels.py runs this benchmark on tiny-llama (test_bench_step_smoke, ..._ops_breakdown)"),
     Rule(r"python -m labkit\.bench\b", "run", timeout_s=600, slow=True),
     Rule(r"python -m labkit\.notebooks check\b", "run", timeout_s=120),
 ]

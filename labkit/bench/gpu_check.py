@@ -152,7 +152,7 @@ def describe_kernels(f: dict) -> str:
 
 
 def compile_step(timeout: float) -> StepResult:
-    """``python -m labkit.bench gpu-compile --quick`` (the CI subset, 165 builds, every core), summarised:
+    """``python -m labkit.bench gpu-compile --quick`` (the CI subset, about 190 builds, every core), summarised:
     the full matrix needs no GPU, and ~33 min of CPU would not fit STEP_CAPS["compile"] on 2 cores."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "compile.json")

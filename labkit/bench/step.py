@@ -339,7 +339,7 @@ def _rounded(x):
     return round(x, 4) if isinstance(x, float) else x
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m labkit.bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch", type=int, default=64)
@@ -351,7 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ops", action="store_true", help="add the per-op breakdown with floors")
     p.add_argument("--markdown", action="store_true", help="print the --ops tables as markdown")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     a.ops = a.ops or a.markdown
     dtype = getattr(torch, a.dtype)
     need = max(a.batch * cdiv(a.context, a.block_size), cdiv(a.prefill, a.block_size)) + 1

@@ -17,6 +17,8 @@ the same call; a prefix-cache hit reuses the block, scales and all.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -144,6 +146,18 @@ def plan_kv_cache(config, dtype: torch.dtype, block_size: int, *, max_num_seqs: 
                          "num_blocks= or kv_cache_memory= sets another size")
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device="cpu", pin_memory: bool = False) -> torch.Tensor:
+    """A tensor of zeros. In CPU memory (not pinned) it lives in an anonymous mapping, which the
+    OS hands out zero-filled a page at a time as it is first written: a 2 GiB cache is there at
+    once, not after seconds of writing zeros, and holds memory only for the blocks used so far
+    (vLLM's block pool likewise costs nothing until a block is filled). Elsewhere, torch.zeros."""
+    if torch.device(device).type != "cpu" or pin_memory:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(1, nbytes))         # anonymous: zero-filled (POSIX), page-aligned
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 class KVCache:
     """K/V blocks for every layer of one model (and, quantized, their scales)."""
 
@@ -155,14 +169,14 @@ class KVCache:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         # Zeros, not empty: a kernel that multiplies masked-out slots by 0 must not meet NaN garbage.
-        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device, pin_memory=pin_memory)
+        self.data = zeroed((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype, device,
+                           pin_memory)
         self.k_caches = [self.data[i, 0] for i in range(num_layers)]  # views, one per layer
         self.v_caches = [self.data[i, 1] for i in range(num_layers)]
         # A quantized cache's scales, one per token and KV head, laid out as ``data`` is without
         # its last dimension; None for a cache in the model's dtype.
-        self.scales = (torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, dtype=SCALE_DTYPE,
-                                   device=device, pin_memory=pin_memory) if is_quantized(dtype) else None)
+        self.scales = (zeroed((num_layers, 2, num_blocks, block_size, num_kv_heads), SCALE_DTYPE, device,
+                              pin_memory) if is_quantized(dtype) else None)
         self.k_scales = [None if self.scales is None else self.scales[i, 0] for i in range(num_layers)]
         self.v_scales = [None if self.scales is None else self.scales[i, 1] for i in range(num_layers)]
 

@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"labkit serve: {e}", file=sys.stderr)
         return 2
+    engine.llm.runner.kv_cache.populate()    # a long-running server: its cache's pages now, not in its first steps
     try:
         serve(engine, args.host, args.port, args.served_model_name, args.log_level, keys, limits,
               args.allow_unauthenticated)

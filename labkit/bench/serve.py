@@ -158,6 +158,7 @@ def prepare_labkit(w: dict, args) -> Prepared:
     logprobs = getattr(args, "logprobs", None)
     params = [SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0, ignore_eos=True,
                              logprobs=logprobs) for r in reqs]
+    llm.runner.kv_cache.populate()     # pages in now, as vLLM's zero-filled cache has them: not timed below
     warm = prompts[:4]
     llm.generate(warm, [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * len(warm), use_tqdm=False)
 

@@ -150,11 +150,12 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device="cpu", pin_memory:
     """A tensor of zeros. In CPU memory (not pinned) it lives in an anonymous mapping, which the
     OS hands out zero-filled a page at a time as it is first written: a 2 GiB cache is there at
     once, not after seconds of writing zeros, and holds memory only for the blocks used so far
-    (vLLM's block pool likewise costs nothing until a block is filled). Elsewhere, torch.zeros."""
-    if torch.device(device).type != "cpu" or pin_memory:
+    (``KVCache.populate`` writes them all at once). Elsewhere, torch.zeros."""
+    if torch.device(device).type != "cpu" or pin_memory or not hasattr(mmap, "MAP_ANONYMOUS"):   # (Windows)
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    pages = mmap.mmap(-1, max(1, nbytes))         # anonymous: zero-filled (POSIX), page-aligned
+    # anonymous (zero-filled, page-aligned) and private (a forked child gets a copy, as with malloc)
+    pages = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
@@ -179,6 +180,14 @@ class KVCache:
                               pin_memory) if is_quantized(dtype) else None)
         self.k_scales = [None if self.scales is None else self.scales[i, 0] for i in range(num_layers)]
         self.v_scales = [None if self.scales is None else self.scales[i, 1] for i in range(num_layers)]
+
+    def populate(self) -> None:
+        """Write every page of the cache now (zeros over zeros: nothing cached may be lost, so
+        call it before serving), so that no step later pays the OS's first-touch page faults:
+        for a long-running server, and for a benchmark timed against engines that zero-fill
+        their caches at start (vLLM's does). A cache's pages otherwise arrive as blocks fill."""
+        for t in self._tensors():
+            t.zero_()
 
     @property
     def quantized(self) -> bool:

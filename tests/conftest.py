@@ -34,21 +34,7 @@ collect_ignore = ["grade_fixtures"]
 NO_GPU_REASON = "no CUDA GPU on this machine: compiled Triton kernels need one (CPU runs the interpreter tests)"
 
 
-#: Modules whose tests run for minutes (notebooks, the real model, whole classes graded), started
-#: first so that a parallel run ends on quick tests, every worker busy until then. A module stays
-#: in one piece: its module-scoped fixtures are set up once per worker that runs it.
-LONG_MODULES = ("test_notebooks", "test_readme", "test_grade_hostile", "test_gpu_compile", "test_grade",
-                "test_engine", "test_browser", "test_spec_decode", "test_engine_properties", "test_cpu_extension")
-
-
-def _long_first(item) -> int:
-    name = item.path.stem if hasattr(item, "path") else ""
-    return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
-
-
 def pytest_collection_modifyitems(config, items):
-    if _WORKERS > 1:
-        items.sort(key=_long_first)          # stable: each module's own order is kept
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason=NO_GPU_REASON)

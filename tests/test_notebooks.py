@@ -8,21 +8,20 @@
 * the text matches the lab: chapter 0's map lists every chapter, no chapter says a feature
   labkit has is missing (nor that the compiled kernels need a newer GPU than they do, or that
   the T4 falls back), chapter 9's reading of its swap figures holds;
-* every solution notebook passes with each check cell and the cell before it run twice (one
-  run per notebook, doubling every such pair: a verdict does not depend on how many times a
-  cell ran), and passes the grading command (``pytest --nbval-lax``, on chapter 1);
-* every student notebook, run top to bottom, fails, and only in its stub cells (``raise
-  NotImplementedError``) and its ``# CHECK`` cells, and every check cell fails, saying "not
-  answered yet" rather than raising a ``NameError``: no exercise passes unsolved, and no
-  explanation cell depends on an answer;
+* every chapter runs once, in one kernel, as a student and solved (``grading_plan``): the student
+  notebook, top to bottom, fails, and only in its stub cells (``raise NotImplementedError``) and
+  its ``# CHECK`` cells, and every check cell fails, saying "not answered yet" rather than raising
+  a ``NameError``: no exercise passes unsolved, and no explanation cell depends on an answer; at
+  each check, the solution's exercise cells and the check run, then the cell before it and the
+  check again, and pass both times (a verdict does not depend on how many times a cell ran);
+* a solution notebook passes the grading command (``pytest --nbval-lax``, on chapter 1);
 * the grading command reports a student notebook's failures cell by cell.
 
 plus fast unit tests of the generator. The graders have their own tables
 (``tests/test_exercises*.py``), and the run of each student notebook is also scanned for
 answers printed before their check (``tests/test_answer_leaks.py`` scans the sources). The module
-is marked ``notebook``; the tests that run notebooks are also ``slow`` (each notebook runs twice,
-once solved and once unsolved). Notebooks that use the real model are skipped, with the reason,
-when it is not cached (``make model``).
+is marked ``notebook``; the tests that run notebooks are also ``slow``. Notebooks that use the
+real model are skipped, with the reason, when it is not cached (``make model``).
 """
 
 from __future__ import annotations
@@ -286,59 +285,180 @@ def test_chapter_9_reads_its_swap_figures_right():
 
 
 # ---- running the notebooks ------------------------------------------------------------------
-def rerun_plan(nb) -> list[int]:
-    """The order in which to run a notebook's cells so that every check cell and the code cell
-    before it run twice: ..., i-1, i, i-1, i, ... (one run per notebook, not one per pair)."""
-    order = []
+#: A step of a notebook's run: run a cell of the student notebook or of the solution, or enter or
+#: leave an exercise's solved state (below).
+STUDENT_CELL, SOLVED_CELL, ENTER, LEAVE = "student", "solved", "enter", "leave"
+
+
+def grading_plan(nb) -> list[tuple[str, int]]:
+    """How to run a chapter once, in one kernel, as a student and as its solution.
+
+    The student notebook runs top to bottom. At each check cell, after the student's (unsolved)
+    check ran, the exercise is *entered*: the solution's versions of the exercise cells since the
+    previous check run, then the check; then the cell before the check and the check run again
+    (a verdict must not depend on how many times a cell ran). Leaving the exercise puts the
+    student's names back, so that the cells after it run as they would for a student who skipped
+    it; the solutions' names are laid over the student's again on entering the next exercise (a
+    later solution may use an earlier one's answer)."""
+    plan: list[tuple[str, int]] = []
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    since_check: list[int] = []
     for k, i in enumerate(code):
-        order.append(i)
-        if is_check_cell(nb.cells[i]) and k > 0:
-            order += [code[k - 1], i]
-    return order
+        plan.append((STUDENT_CELL, i))
+        if not is_check_cell(nb.cells[i]):
+            since_check += [i] if is_solution_cell(nb.cells[i]) else []
+            continue
+        plan += [(ENTER, -1)] + [(SOLVED_CELL, j) for j in since_check] + [(SOLVED_CELL, i)]
+        if k > 0:
+            plan += [(SOLVED_CELL, code[k - 1]), (SOLVED_CELL, i)]
+        plan.append((LEAVE, -1))
+        since_check = []
+    return plan
 
 
-def test_rerun_plan_doubles_each_check_and_the_cell_before_it():
+def test_grading_plan_runs_each_exercise_unsolved_then_solved_twice():
     nb = _notebook([("markdown", "# t"), ("code", "a"), ("code", "### BEGIN SOLUTION\nx\n### END SOLUTION"),
-                    ("markdown", "text"), ("code", "# CHECK exercise 1\ncheck(x)"), ("code", "b")])
-    assert rerun_plan(nb) == [1, 2, 4, 2, 4, 5]
+                    ("markdown", "text"), ("code", "# CHECK exercise 1\ncheck(x)"), ("code", "b"),
+                    ("code", "### BEGIN SOLUTION\ny\n### END SOLUTION"), ("code", "c"),
+                    ("code", "# CHECK exercise 2\ncheck(y)")])
+    S, V = STUDENT_CELL, SOLVED_CELL
+    assert grading_plan(nb) == [(S, 1), (S, 2), (S, 4), (ENTER, -1), (V, 2), (V, 4), (V, 2), (V, 4), (LEAVE, -1),
+                                (S, 5), (S, 6), (S, 7), (S, 8), (ENTER, -1), (V, 6), (V, 8), (V, 7), (V, 8),
+                                (LEAVE, -1)]
 
 
-def _execute(path: Path, order: list[int] | None = None):
-    """Run a notebook's code cells in ``order`` (default: top to bottom) in one kernel, errors
-    allowed; return (notebook, [(cell index, error output), ...] in the order they happened).
-    A cell run twice keeps its second run's outputs."""
+#: Kernel code for entering and leaving an exercise. Leaving keeps each name the solution bound,
+#: with the value the student had then; entering lays it over the student's names again unless the
+#: student's value has changed since (a later cell rebound it, as it would in the solution too).
+#: The names IPython keeps (``_``, ``_i3``, ``Out``...) and these steps' own are left alone.
+_KEEP = r"^(_+|_i+|_i?\d+|_oh|_ih|_dh|In|Out|get_ipython|exit|quit|__lk_\w*)$"
+_SETUP = (f"import re as __lk_re\n__lk_keep = __lk_re.compile({_KEEP!r}).match\n"
+          "__lk_solved, __lk_none = {}, object()")
+_ENTER = ("__lk_student = {k: v for k, v in globals().items() if not __lk_keep(k)}\n"
+          "globals().update({k: v for k, (v, was) in __lk_solved.items() if __lk_student.get(k, __lk_none) is was})")
+_LEAVE = ("for __lk_k in [k for k in globals() if not __lk_keep(k)]:\n"
+          "    __lk_was = __lk_student.get(__lk_k, __lk_none)\n"
+          "    if globals()[__lk_k] is not __lk_was:\n"
+          "        __lk_solved[__lk_k] = (globals()[__lk_k], __lk_was)\n"
+          "    if __lk_was is __lk_none:\n"
+          "        del globals()[__lk_k]\n"
+          "globals().update(__lk_student)")
+
+
+def test_entering_and_leaving_an_exercise_swaps_its_names():
+    scope: dict = {}
+    for src in (_SETUP, "a = 1\nf = 'stub'\nh = 'stub'", _ENTER, "f = 'solved'\ng = f + '!'\nh = 'solved'",
+                _LEAVE):
+        exec(src, scope)
+    assert (scope["a"], scope["f"], scope["h"], "g" in scope) == (1, "stub", "stub", False)
+    exec("a = 2\nh = 'rebound'", scope)        # a cell after the exercise rebinds h
+    exec(_ENTER, scope)
+    assert (scope["a"], scope["f"], scope["g"], scope["h"]) == (2, "solved", "solved!", "rebound")
+    exec(_LEAVE, scope)
+    assert (scope["a"], scope["f"], scope["h"], "g" in scope) == (2, "stub", "rebound", False)
+    exec(_ENTER, scope)
+    assert (scope["f"], scope["g"]) == ("solved", "solved!")    # still there for a third exercise
+
+
+def _run_plan(solution: Path, student: Path, plan: list[tuple[str, int]]):
+    """Run ``plan`` in one kernel started in the student's folder, errors allowed; return the two
+    notebooks (each cell keeps the outputs of its last run) and the errors of each, as
+    [(cell index, error output), ...] in the order they happened."""
     from nbclient import NotebookClient
-    nb = read(path)
-    order = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"] if order is None else order
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(path.parent)}})
-    errors = []
+    nbs = {STUDENT_CELL: read(student), SOLVED_CELL: read(solution)}
+    assert len(nbs[STUDENT_CELL].cells) == len(nbs[SOLVED_CELL].cells), f"{student} is stale: make notebooks"
+    # the client stores each cell it ran into its own notebook, by index: give it a scratch copy
+    client = NotebookClient(read(student), timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(student.parent)}})
+    errors: dict[str, list] = {STUDENT_CELL: [], SOLVED_CELL: []}
+
+    def bookkeeping(source: str) -> None:
+        cell = nbformat.v4.new_code_cell(source)
+        client.execute_cell(cell, 0, store_history=False)
+        assert not cell.outputs, f"entering or leaving an exercise failed: {cell.outputs}"
+
     with client.setup_kernel():
-        for i in order:
-            cell = nb.cells[i]
+        bookkeeping(_SETUP)
+        for kind, i in plan:
+            if kind in (ENTER, LEAVE):
+                bookkeeping(_ENTER if kind == ENTER else _LEAVE)
+                continue
+            cell = nbs[kind].cells[i]
             cell.outputs = []
             client.execute_cell(cell, i)
-            errors += [(i, o) for o in cell.outputs if o.get("output_type") == "error"]
-    return nb, errors
+            errors[kind] += [(i, o) for o in cell.outputs if o.get("output_type") == "error"]
+    return nbs[STUDENT_CELL], nbs[SOLVED_CELL], errors
+
+
+def _describe(nb, i, err=None) -> str:
+    err = err or next(o for o in nb.cells[i].outputs if o.get("output_type") == "error")
+    return f"cell {i} ({nb.cells[i].source.splitlines()[0][:60]!r}): {err['ename']}: {err['evalue'][:300]}"
+
+
+def test_the_run_finds_a_cell_that_uses_an_answer_and_lays_answers_over_later_exercises(tmp_path):
+    """A chapter whose explanation cell prints exercise 1's answer, and whose exercise 2 builds on
+    exercise 1's: the student's run finds the explanation cell (it fails there as the student's
+    would), and exercise 2's solution finds exercise 1's answer."""
+    cells = [("markdown", "# Chapter 1 — t"), ("code", "a = 1"),
+             ("code", "### BEGIN SOLUTION\nx = a + 1\n### END SOLUTION"),
+             ("code", "# CHECK exercise 1\nassert x == 2\nprint('✓')"), ("code", "print(x * 10)"),
+             ("code", "### BEGIN SOLUTION\ny = x + 1\n### END SOLUTION"),
+             ("code", "# CHECK exercise 2\nassert y == 3\nprint('✓')")]
+    solution, student = tmp_path / "solutions" / "01_t.ipynb", tmp_path / "notebooks" / "01_t.ipynb"
+    for path, nb in ((solution, _notebook(cells)), (student, student_version(_notebook(cells)))):
+        path.parent.mkdir()
+        path.write_text(dumps(nb))
+    unsolved, solved, errors = _run_plan(solution, student, grading_plan(read(solution)))
+    assert not errors[SOLVED_CELL], errors[SOLVED_CELL]
+    assert [i for i, _ in errors[STUDENT_CELL]] == [2, 3, 4, 5, 6], errors[STUDENT_CELL]
+    assert "NameError" in _describe(unsolved, 4) and "20" not in str(unsolved.cells[4].outputs)
+    assert "✓" in str(solved.cells[6].outputs)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", SOLUTIONS, ids=_ids(SOLUTIONS))
-def test_solution_passes_with_each_check_and_the_cell_before_it_run_twice(path):
-    """Every cell of the solution runs without raising, and every check passes a second time
-    after its exercise cell ran again: no verdict depends on how many times a cell ran."""
+def test_each_exercise_fails_unsolved_then_passes_solved_twice(path):
+    """One run per chapter (``grading_plan``), in one kernel:
+
+    * as a student, top to bottom: the notebook fails, and only in its stub and check cells;
+      every check fails, saying "not answered yet" where nothing was answered, and no NameError
+      is shown; no cell prints an exercise's answer before its check; no explanation cell depends
+      on an answer (the cells after an exercise run with the student's names, not the solution's);
+    * solved: every solution cell and check runs without raising, and every check passes a
+      second time after the cell before it ran again."""
     _skip_without_model(path)
+    student = PATHS.notebooks / path.name
     t0 = time.monotonic()
-    order = rerun_plan(read(path))
-    nb, errors = _execute(path, order)
+    plan = grading_plan(read(path))
+    unsolved, solved, errors = _run_plan(path, student, plan)
     took = time.monotonic() - t0
-    assert not errors, (f"{path.name}, run with every check cell and the cell before it twice ({took:.0f} s):\n"
-                        + "\n".join(f"cell {i} ({nb.cells[i].source.splitlines()[0][:60]!r}): {e['ename']}: "
-                                     f"{e['evalue'][:300]}" for i, e in errors))
-    checks = [c for c in nb.cells if is_check_cell(c)]
-    assert all("✓" in "".join(o.get("text", "") for o in c.outputs) for c in checks)
-    print(f"{path.name}: passed in {took:.0f} s, {len(order) - len(set(order))} cells run twice")
+
+    assert not errors[SOLVED_CELL], (
+        f"{path.name}, solved, with every check cell and the cell before it run twice ({took:.0f} s):\n"
+        + "\n".join(_describe(solved, i, e) for i, e in errors[SOLVED_CELL]))
+    checks = {i for i, c in enumerate(solved.cells) if is_check_cell(c)}
+    assert all("✓" in "".join(o.get("text", "") for o in solved.cells[i].outputs) for i in checks)
+
+    failed = sorted({i for i, _ in errors[STUDENT_CELL]})
+    stubs = {i for i, c in enumerate(unsolved.cells) if is_stub_cell(c)}
+    assert failed, f"{student.name} passes unsolved: its check cells do not grade anything"
+    elsewhere = [i for i in failed if i not in stubs | checks]
+    assert not elsewhere, ("cells that are neither exercises nor checks fail in the unsolved notebook "
+                           "(they must not use an exercise's answer):\n"
+                           + "\n".join(_describe(unsolved, i) for i in elsewhere))
+    passing_checks = sorted(checks - set(failed))
+    assert not passing_checks, ("check cells pass in the unsolved notebook: "
+                                + ", ".join(f"cell {i}" for i in passing_checks))
+    # Run All shows no NameError: a check whose answers are not defined says "not answered yet"
+    name_errors = [i for i in failed for o in unsolved.cells[i].outputs if o.get("output_type") == "error"
+                   and (o["ename"] == "NameError" or "NameError" in "".join(o.get("traceback", [])))]
+    assert not name_errors, "NameError shown in " + ", ".join(_describe(unsolved, i) for i in name_errors)
+    unanswered = [i for i in checks if any(o.get("ename") == "NotAnsweredYet" for o in unsolved.cells[i].outputs)]
+    assert all("not answered yet" in _describe(unsolved, i) for i in unanswered)
+    forms, _ = declared_forms()
+    printed = leaks(unsolved, forms, f"notebooks/{student.name}, run unsolved")
+    assert not printed, "a cell prints an exercise's answer before its check:\n" + "\n".join(printed)
+    print(f"{path.name}: unsolved and solved in {took:.0f} s, {len(plan)} steps")
 
 
 @pytest.mark.slow
@@ -351,43 +471,6 @@ def test_grading_command_passes_a_solution():
          f"--nbval-cell-timeout={CELL_TIMEOUT_S}", "-q", "-o", "addopts=", str(path)],
         cwd=ROOT, capture_output=True, text=True, timeout=30 * 60)
     assert proc.returncode == 0, f"{path.name} fails under nbval:\n{proc.stdout[-6000:]}\n{proc.stderr[-2000:]}"
-
-
-def _run_allowing_errors(path: Path):
-    """Execute a notebook cell by cell; return (notebook, indices of cells that raised)."""
-    nb, errors = _execute(path)
-    return nb, sorted({i for i, _ in errors})
-
-
-def _describe(nb, i) -> str:
-    err = next(o for o in nb.cells[i].outputs if o.get("output_type") == "error")
-    return f"cell {i} ({nb.cells[i].source.splitlines()[0][:60]!r}): {err['ename']}: {err['evalue'][:300]}"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("path", STUDENT, ids=_ids(STUDENT))
-def test_student_notebook_fails_only_in_check_cells(path):
-    _skip_without_model(path)
-    nb, failed = _run_allowing_errors(path)
-    stubs = {i for i, c in enumerate(nb.cells) if is_stub_cell(c)}
-    checks = {i for i, c in enumerate(nb.cells) if is_check_cell(c)}
-    assert failed, f"{path.name} passes unsolved: its check cells do not grade anything"
-    elsewhere = [i for i in failed if i not in stubs | checks]
-    assert not elsewhere, ("cells that are neither exercises nor checks fail in the unsolved notebook "
-                           "(they must not use an exercise's answer):\n"
-                           + "\n".join(_describe(nb, i) for i in elsewhere))
-    passing_checks = sorted(checks - set(failed))
-    assert not passing_checks, ("check cells pass in the unsolved notebook: "
-                                + ", ".join(f"cell {i}" for i in passing_checks))
-    # Run All shows no NameError: a check whose answers are not defined says "not answered yet"
-    name_errors = [i for i in failed for o in nb.cells[i].outputs if o.get("output_type") == "error"
-                   and (o["ename"] == "NameError" or "NameError" in "".join(o.get("traceback", [])))]
-    assert not name_errors, "NameError shown in " + ", ".join(_describe(nb, i) for i in name_errors)
-    unanswered = [i for i in checks if any(o.get("ename") == "NotAnsweredYet" for o in nb.cells[i].outputs)]
-    assert all("not answered yet" in _describe(nb, i) for i in unanswered)
-    forms, _ = declared_forms()
-    printed = leaks(nb, forms, f"notebooks/{path.name}, run unsolved")
-    assert not printed, "a cell prints an exercise's answer before its check:\n" + "\n".join(printed)
 
 
 @pytest.mark.slow

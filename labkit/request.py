@@ -111,7 +111,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_time", "seqs",
                  "first_scheduled_time", "first_token_time", "finished_time", "forked",
-                 "prompt", "error", "prompt_logprobs", "beam", "beam_search", "cache_salt")
+                 "prompt", "error", "prompt_logprobs", "beam", "beam_search", "cache_salt", "unfinished")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | BeamSearchParams,
                  arrival_time: float = 0.0, prompt: str | None = None, cache_salt: str | None = None):
@@ -136,6 +136,11 @@ class Request:
         # (entry 0, the first token, has none: None). It fills in prompt order, chunk by chunk.
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.seqs = [Sequence(self, list(self.prompt_token_ids))]
+        # The sequences not finished yet, in the order they were made: a fork adds its children,
+        # Scheduler.finish_sequence (the one place a sequence retires) takes each out. Beam search
+        # makes and kills sequences every step; scanning all of ``seqs`` for the live ones would
+        # make a long search quadratic.
+        self.unfinished: list[Sequence] = list(self.seqs)
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -154,13 +159,13 @@ class Request:
     @property
     def live_beams(self) -> list["Sequence"]:
         """The sequences of a beam-search request that are not finished: its beams now."""
-        return [s for s in self.seqs if s.status is not Status.FINISHED]
+        return list(self.unfinished)
 
     @property
     def finished(self) -> bool:
         # Before an n > 1 request forks it has one sequence; it can only finish by sampling
         # its first token (which forks it first) or by an abort, so "all" is right either way.
-        return all(s.status is Status.FINISHED for s in self.seqs)
+        return not self.unfinished
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, n={self.params.n})"

@@ -83,6 +83,7 @@ def make_children(running: list[Sequence], parent: Sequence, count: int,
             child.cumulative_logprob = parent.cumulative_logprob
         child.status = Status.RUNNING
         parent.request.seqs.append(child)
+        parent.request.unfinished.append(child)
         children.append(child)
     running[at:at] = children
     return children

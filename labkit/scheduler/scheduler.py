@@ -151,6 +151,7 @@ class Scheduler:
         queue.remove(seq)                       # a swapped table holds host blocks: _release frees them
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.request.unfinished.remove(seq)
         if seq.block_table is not None:
             self._release(seq, reason)
         request = seq.request

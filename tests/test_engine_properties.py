@@ -298,6 +298,9 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def finish_reasons_never_change(self):
         for request in self.requests:
+            # the request's list of live sequences (what live_beams and finished read) is its
+            # sequences not finished, in order
+            assert request.unfinished == [s for s in request.seqs if s.status is not Status.FINISHED], request
             for seq in request.seqs:
                 if seq.finish_reason is None:
                     assert seq.status is not Status.FINISHED

@@ -164,7 +164,8 @@ class Request:
     @property
     def finished(self) -> bool:
         # Before an n > 1 request forks it has one sequence; it can only finish by sampling
-        # its first token (which forks it first) or by an abort, so "all" is right either way.
+        # its first token (which forks it first) or by an abort, so "none unfinished" is right
+        # either way.
         return not self.unfinished
 
     def __repr__(self) -> str:

@@ -296,11 +296,14 @@ class EngineMachine(RuleBasedStateMachine):
                 assert seq.block_table.num_blocks == cdiv(seq.num_computed_tokens, BLOCK_SIZE), seq
 
     @invariant()
+    def unfinished_lists_the_live_sequences(self):
+        """What ``Request.finished`` and ``live_beams`` read: its sequences not finished, in order."""
+        for request in self.requests:
+            assert request.unfinished == [s for s in request.seqs if s.status is not Status.FINISHED], request
+
+    @invariant()
     def finish_reasons_never_change(self):
         for request in self.requests:
-            # the request's list of live sequences (what live_beams and finished read) is its
-            # sequences not finished, in order
-            assert request.unfinished == [s for s in request.seqs if s.status is not Status.FINISHED], request
             for seq in request.seqs:
                 if seq.finish_reason is None:
                     assert seq.status is not Status.FINISHED

@@ -305,8 +305,9 @@ def grading_plan(nb) -> list[tuple[str, int]]:
     since_check: list[int] = []
     for k, i in enumerate(code):
         plan.append((STUDENT_CELL, i))
+        if is_solution_cell(nb.cells[i]):
+            since_check.append(i)
         if not is_check_cell(nb.cells[i]):
-            since_check += [i] if is_solution_cell(nb.cells[i]) else []
             continue
         plan += [(ENTER, -1)] + [(SOLVED_CELL, j) for j in since_check] + [(SOLVED_CELL, i)]
         if k > 0:

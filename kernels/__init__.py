@@ -44,47 +44,77 @@ Import-time contract:
 import os
 import sys
 
-import torch
 
-if not torch.cuda.is_available() and "triton.language" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def _hand_over_to_the_installed_kernels() -> None:
+    """Run from the repository's root, Python finds this folder as a top-level ``kernels`` too.
 
-from ._common import (  # noqa: E402
-    BF16_MIN_COMPUTE_CAPABILITY, HAS_TRITON, MIN_COMPUTE_CAPABILITY, Launch, index_tensors_checked)
-from .backend import (  # noqa: E402
-    BACKENDS,
-    AttentionOps,
-    FusedOps,
-    default_dtype,
-    get_attention_ops,
-    select_attention_backend,
-    triton_is_interpreted,
-)
-from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
-from .paged_decode_attention_cpu import paged_decode_attention_cpu  # noqa: E402
-from .paged_prefill_attention import (  # noqa: E402
-    paged_prefill_attention, paged_prefill_attention_cpu, paged_prefill_attention_ref)
-from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref  # noqa: E402
+    That is the name of Hugging Face's kernel-hub package, which Transformers 5 imports when it
+    is installed. Such an import gets the installed package (found on ``sys.path`` without the
+    repository's root, put in ``sys.modules`` in place of this module); with none installed it
+    is an ``ImportError`` saying what this folder is.
+    """
+    import importlib.machinery
+    import importlib.util
 
-__all__ = [
-    "AttentionOps",
-    "BACKENDS",
-    "BF16_MIN_COMPUTE_CAPABILITY",
-    "FusedOps",
-    "HAS_TRITON",
-    "Launch",
-    "MIN_COMPUTE_CAPABILITY",
-    "default_dtype",
-    "get_attention_ops",
-    "index_tensors_checked",
-    "paged_decode_attention",
-    "paged_decode_attention_cpu",
-    "paged_decode_attention_ref",
-    "paged_prefill_attention",
-    "paged_prefill_attention_cpu",
-    "paged_prefill_attention_ref",
-    "reshape_and_cache",
-    "reshape_and_cache_ref",
-    "select_attention_backend",
-    "triton_is_interpreted",
-]
+    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != root]
+    spec = importlib.machinery.PathFinder.find_spec(__name__, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{os.path.dirname(__file__)} is the package labkit.kernels: import it by that name",
+                          name=__name__)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[__name__] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[__name__]
+        raise
+
+
+if __name__ != "labkit.kernels":
+    _hand_over_to_the_installed_kernels()
+else:
+    import torch
+
+    if not torch.cuda.is_available() and "triton.language" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    from ._common import (
+        BF16_MIN_COMPUTE_CAPABILITY, HAS_TRITON, MIN_COMPUTE_CAPABILITY, Launch, index_tensors_checked)
+    from .backend import (
+        BACKENDS,
+        AttentionOps,
+        FusedOps,
+        default_dtype,
+        get_attention_ops,
+        select_attention_backend,
+        triton_is_interpreted,
+    )
+    from .paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+    from .paged_decode_attention_cpu import paged_decode_attention_cpu
+    from .paged_prefill_attention import (
+        paged_prefill_attention, paged_prefill_attention_cpu, paged_prefill_attention_ref)
+    from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+
+    __all__ = [
+        "AttentionOps",
+        "BACKENDS",
+        "BF16_MIN_COMPUTE_CAPABILITY",
+        "FusedOps",
+        "HAS_TRITON",
+        "Launch",
+        "MIN_COMPUTE_CAPABILITY",
+        "default_dtype",
+        "get_attention_ops",
+        "index_tensors_checked",
+        "paged_decode_attention",
+        "paged_decode_attention_cpu",
+        "paged_decode_attention_ref",
+        "paged_prefill_attention",
+        "paged_prefill_attention_cpu",
+        "paged_prefill_attention_ref",
+        "reshape_and_cache",
+        "reshape_and_cache_ref",
+        "select_attention_backend",
+        "triton_is_interpreted",
+    ]

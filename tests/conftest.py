@@ -50,3 +50,33 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     return f"labkit: CUDA {'available' if _HAS_CUDA else 'not available: gpu tests skip'}"
+
+
+# LABKIT_TEST_TIMELINE=DIR: each worker writes DIR/<worker>.tsv, one line per test phase
+# (worker, start, end, phase, test; seconds since the epoch): where a worker waits, and on what.
+# `python tests/timeline.py DIR` sums each worker's busy and idle time and lists the longest gaps.
+_TIMELINE = os.environ.get("LABKIT_TEST_TIMELINE")
+if _TIMELINE:
+    import time
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(item):
+        return _timed(item, "setup")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(item):
+        return _timed(item, "call")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(item, nextitem):
+        return _timed(item, "teardown")
+
+    def _timed(item, phase):
+        start = time.time()
+        try:
+            return (yield)
+        finally:
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            os.makedirs(_TIMELINE, exist_ok=True)
+            with open(os.path.join(_TIMELINE, f"{worker}.tsv"), "a") as out:
+                out.write(f"{worker}\t{start:.3f}\t{time.time():.3f}\t{phase}\t{item.nodeid}\n")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -464,3 +465,45 @@ def test_lab_config_turns_the_news_pop_up_off():
     text = (ROOT / "Makefile").read_text()
     assert 'JUPYTER_CONFIG_PATH="$(CURDIR)/.jupyter' in text
     assert "--LabApp.default_url=/lab/tree/00_setup_and_tour.ipynb" in text
+
+
+# The repository's kernels/ folder is labkit.kernels (pyproject's package-dir). From the
+# repository's root (pytest, `python -m labkit ...` as the README runs it) Python also finds it
+# as a top-level `kernels`: the name of Hugging Face's kernel-hub package, which Transformers 5
+# depends on and imports. CI failed on exactly that the day Transformers began to.
+
+def test_transformers_imports_from_the_repository_root_beside_the_kernels_folder():
+    probe = ("import transformers\nfrom transformers import LlamaConfig\nimport labkit.kernels, sys\n"
+             "print(labkit.kernels.paged_decode_attention.__module__)\n"
+             "print(getattr(sys.modules.get('kernels'), '__file__', None))")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    module, top_level = run.stdout.split()
+    assert module == "labkit.kernels.paged_decode_attention"
+    assert top_level == "None" or Path(top_level).resolve().parent != ROOT / "kernels"
+
+
+def _hub_kernels_installed() -> bool:
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _hub_kernels_installed(), reason="Hugging Face's kernels package is not installed here")
+def test_a_top_level_kernels_import_from_the_root_gets_hugging_faces_package():
+    run = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert Path(run.stdout.strip()).resolve().parent != ROOT / "kernels"
+    assert "site-packages" in run.stdout
+
+
+def test_a_top_level_kernels_import_without_the_hub_package_names_labkit_kernels():
+    # -S: no site-packages, so no Hugging Face kernels; only the repository's root on the path.
+    probe = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import kernels"
+    run = subprocess.run([sys.executable, "-S", "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert "is the package labkit.kernels: import it by that name" in run.stderr
+    assert "ModuleNotFoundError" not in run.stderr and "ImportError" in run.stderr

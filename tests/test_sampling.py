@@ -47,14 +47,13 @@ def hf_generate(hf, ids: list[int], max_new_tokens: int, **processors) -> list[i
 
 def reference_greedy(hf, ids: list[int], max_new_tokens: int, *, presence=0.0, frequency=0.0,
                      repetition=1.0, bias=None) -> list[int]:
-    """Greedy decoding with Transformers' model (its own KV cache), the logit processing
-    written out token by token in plain Python: the definition of the order in docs/sampling.md."""
-    seq, out, past, x = list(ids), [], None, torch.tensor([ids])
+    """Greedy decoding with Transformers' model (the whole sequence each step: no cache API, which
+    Transformers 5 renames), the logit processing written out token by token in plain Python: the
+    definition of the order in docs/sampling.md."""
+    seq, out = list(ids), []
     for _ in range(max_new_tokens):
         with torch.no_grad():
-            step = hf(x, past_key_values=past, use_cache=True)
-        past = step.past_key_values
-        logits = step.logits[0, -1].float().tolist()
+            logits = hf(torch.tensor([seq])).logits[0, -1].float().tolist()
         for t, b in (bias or {}).items():
             logits[t] += b
         for t in set(seq):
@@ -64,7 +63,6 @@ def reference_greedy(hf, ids: list[int], max_new_tokens: int, *, presence=0.0, f
         nxt = max(range(len(logits)), key=logits.__getitem__)
         seq.append(nxt)
         out.append(nxt)
-        x = torch.tensor([[nxt]])
     return out
 
 

@@ -61,15 +61,15 @@ if _TIMELINE:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(item):
-        return _timed(item, "setup")
+        return (yield from _timed(item, "setup"))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(item):
-        return _timed(item, "call")
+        return (yield from _timed(item, "call"))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(item, nextitem):
-        return _timed(item, "teardown")
+        return (yield from _timed(item, "teardown"))
 
     def _timed(item, phase):
         start = time.time()

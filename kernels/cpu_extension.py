@@ -21,8 +21,8 @@ this CPU does not run (an AVX-512 build on a Zen 3 would stop at its first instr
 an unknown name is refused with the reason, and the backend uses its Numba kernel.
 
 ``make setup`` (so ``make lab`` and ``make test``) compiles the best build, with ``python -m
-labkit kernels``, so that no notebook cell waits on a compiler. Compiling takes ~2 min of CPU
-time: about :data:`COMPILE_TIME` on 2 idle cores, several times that on a busy machine; a
+labkit kernels``, so that no notebook cell waits on a compiler. Compiling takes 1.5 min of CPU
+time: :data:`COMPILE_TIME`; a
 progress line counts the seconds meanwhile (:class:`labkit.utils.Stopwatch`). Where setup
 did not run (Colab, a wheel), the first use compiles it the same way, once. A build is
 named after its ISA and a hash of the sources (headers included), the flags, torch's version
@@ -62,10 +62,12 @@ from labkit.utils import Stopwatch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "bindings.cpp"))
-# Measured: python -m labkit kernels on an empty cache, 2 cores at load average 10-30: 334, 482
-# and 646 s (119-157 s of CPU time). Said before compiling, so that a first run is not
-# mistaken for a hang.
-COMPILE_TIME = "about 2 min of CPU time: 1-2 min on 2 idle cores, 5-11 min measured on a busy 2-core machine"
+# Measured, one build on an empty cache, 2 idle cores (AMD EPYC with AVX-512), 2026-12-04: avx512
+# 45 s (75 s of CPU time), avx2 53 s (83 s), portable 62 s (92 s). Before the kernel files
+# included ATen's headers instead of <torch/extension.h>: 119-157 s of CPU time, and 334-646 s
+# on 2 cores at load average 10-30. Said before compiling, so that a first run is not mistaken
+# for a hang.
+COMPILE_TIME = "about 1.5 min of CPU time: 45-60 s on 2 idle cores, several minutes on a busy 2-core machine"
 
 # The implementations of vec.h's vector type, best first.
 ISAS = ("avx512", "avx2", "portable")

@@ -89,6 +89,16 @@ RULES = [
          "tests/test_exercises_beams.py runs this benchmark (test_bench_sharing_prints_the_table_beside_the_paper)"),
     Rule(r"python -m labkit\.bench step\b", "parse",
          "tests/test_kernels.py runs this benchmark on tiny-llama (test_bench_step_smoke, ..._ops_breakdown)"),
+    Rule(r"python -m labkit\.bench swap\b", "parse",
+         "tests/test_swap.py runs its parts: micro and sim (test_swap_benchmark_reproduces_figure_19s_shape), "
+         "real on tiny-llama at the same block sizes (test_swap_benchmark_measures_the_real_engine_...)"),
+    Rule(r"python -m labkit\.bench costs\b", "parse",
+         "tests/test_server_limits.py runs this benchmark for one short round (test_costs_benchmark_...)"),
+    Rule(r"python -m labkit\.bench startup\b", "parse",
+         "tests/test_readme.py runs this benchmark with one repeat (test_startup_benchmark_...)"),
+    Rule(r"python -m labkit\.bench spec\b", "parse",
+         "tests/test_spec_decode.py runs this benchmark on tiny-llama, every method and both workloads "
+         "(test_spec_benchmark_...); chapter 11 serves its grounded workload on SmolLM2"),
     Rule(r"python -m labkit\.bench\b", "run", timeout_s=600, slow=True),
     Rule(r"python -m labkit\.notebooks check\b", "run", timeout_s=120),
 ]
@@ -367,3 +377,21 @@ def test_cli_written_out_defaults_match_their_sources():
     from labkit.kernels.backend import BACKENDS as KERNEL_BACKENDS
     from labkit.server.limits import DEFAULT_MAX_BODY_BYTES
     assert BACKENDS == KERNEL_BACKENDS and DEFAULT_MAX_BODY_MIB << 20 == DEFAULT_MAX_BODY_BYTES
+
+
+@pytest.mark.slow
+def test_startup_benchmark_times_each_command_and_sees_which_import_torch():
+    """``python -m labkit.bench startup`` (the README's line runs five repeats), one repeat:
+    every command timed, and only the engine's import loads torch."""
+    from labkit.bench.startup import COMMANDS
+    run = subprocess.run([sys.executable, "-m", "labkit.bench", "startup", "--repeat", "1", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out["repeat"] == 1 and [r["command"] for r in out["rows"]] == list(COMMANDS)
+    for r in out["rows"]:
+        assert 0 < r["min_s"] <= r["median_s"], r
+        assert r["imports_torch"] == ("LLM" in r["command"]), r
+    bad = subprocess.run([sys.executable, "-m", "labkit.bench", "startup", "--repeat", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--repeat" in bad.stderr

@@ -444,3 +444,37 @@ def test_serve_takes_vllms_speculative_config(monkeypatch, capsys):
                        ('{"method": "ngram", "num_speculative_tokens": 3, "colour": 1}', "unknown key")):
         assert cli.main(["serve", "--model", "tiny-llama", "--num-blocks", "32", "--speculative-config", bad]) == 2
         assert words in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_spec_benchmark_runs_every_method_on_both_workloads_and_checks_equality():
+    """``python -m labkit.bench spec`` (the README runs its grounded workload at batch 1 on
+    SmolLM2), here on tiny-llama: every method beside off, on both workloads at two batch
+    sizes; the run itself checks each method's greedy tokens against off's (exit 1 if not)."""
+    import json
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "labkit.bench", "spec", "--model", "tiny-llama",
+                          "--workloads", "grounded,free", "--batch-sizes", "1,2", "--num-requests", "2",
+                          "--max-tokens", "16", "--configs", "off,ngram,draft_layers", "--draft-layers", "1",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out["model"] == "tiny-llama" and out["configs"]["draft_layers"]["num_layers"] == 1
+    runs = {(r["workload"], r["batch"], r["config"]): r for r in out["runs"]}
+    assert sorted(runs) == sorted((w, b, c) for w in ("grounded", "free") for b in (1, 2)
+                                  for c in ("off", "ngram", "draft_layers"))
+    for (workload, batch, config), r in runs.items():
+        off = runs[workload, batch, "off"]
+        assert r["requests"] == 2 and r["output_tokens"] == off["output_tokens"] == 2 * 16
+        if config == "off":
+            assert r["same_as_off"] is None and r["drafted"] == r["accepted"] == 0
+            continue
+        # Each verifying step keeps at least one token: speculation never takes more steps.
+        assert r["same_as_off"] is True and r["steps"] <= off["steps"], (workload, batch, config, r)
+        assert 0 <= r["accepted"] <= r["drafted"] and r["drafts"] > 0, r
+    # Prompt lookup on the workload that copies its prompt finds drafts worth keeping.
+    assert runs["grounded", 1, "ngram"]["accepted"] > 0
+    bad = subprocess.run([sys.executable, "-m", "labkit.bench", "spec", "--configs", "ngram"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "does not start with off" in bad.stderr

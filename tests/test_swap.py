@@ -450,3 +450,28 @@ def test_aborts_between_schedule_and_update_of_a_swap(when):
             check_pools(sched)
         assert_both_pools_free(sched)
     assert hits > 0, "no beam request was aborted mid-swap: the test tests nothing"
+
+
+@pytest.mark.slow
+def test_swap_benchmark_measures_the_real_engine_at_two_block_sizes(capsys):
+    """The benchmark's ``real`` part (the README runs it on SmolLM2 at 16 and 128), here on
+    tiny-llama: a pool small enough that both modes preempt at both sizes, swap moving blocks
+    and recompute recomputing tokens, with the same greedy tokens either way."""
+    import json
+
+    from labkit.bench.swap import main
+    assert main(["--parts", "real", "--real-model", "tiny-llama", "--real-block-sizes", "16,128",
+                 "--real-prompts", "4", "--real-max-tokens", "48", "--real-kv-tokens", "192", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["real"]
+    rows = {(r["block_size"], r["mode"]): r for r in out["rows"]}
+    assert sorted(rows) == [(16, "recompute"), (16, "swap"), (128, "recompute"), (128, "swap")]
+    for (bs, mode), r in rows.items():
+        assert r["same_tokens"] is True and r["num_preemptions"] > 0 and r["wall_s"] > 0, (bs, mode, r)
+        if mode == "swap":
+            assert r["num_swapped_blocks"] > 0 and r["swap_s"] > 0 and r["recomputed_tokens"] == 0, (bs, r)
+        else:
+            assert r["num_swapped_blocks"] == 0 and r["swap_s"] == 0 and r["recomputed_tokens"] > 0, (bs, r)
+    # A pool that cannot hold one request is refused with the flag to raise, not served wrong.
+    assert main(["--parts", "real", "--real-model", "tiny-llama", "--real-block-sizes", "16",
+                 "--real-prompts", "2", "--real-max-tokens", "8", "--real-kv-tokens", "32"]) == 2
+    assert "--real-kv-tokens" in capsys.readouterr().err

@@ -40,7 +40,12 @@
 // The Python wrapper has checked every shape, dtype, context length and block id: this
 // loop trusts them.
 
-#include <torch/extension.h>
+// ATen's own headers, not <torch/extension.h>: these kernels need tensors, two allocators and
+// the thread pool, not pybind11 and torch's Python API (bindings.cpp alone includes those).
+// That header alone costs about 25 s of compile per file: the build takes half the time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -186,7 +186,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m labkit.bench costs", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama", help="tiny-llama (default), smollm2-135m, or an HF path/dir")
@@ -196,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens the costly request generates each time")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: sized by LLM)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if min(args.batch, args.steps, args.rounds, args.max_tokens) < 1:
         p.error("--batch, --steps, --rounds and --max-tokens must be >= 1")

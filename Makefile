@@ -56,7 +56,7 @@ test-fast: setup model
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# Setup ends with the C++ CPU kernels compiled for this machine (once: 45-60 s on 2 idle cores,
+# Setup ends with the C++ CPU kernels compiled for this machine (once: 45-65 s on 2 idle cores,
 # minutes on busy ones; a few seconds to check afterwards), so that no notebook cell waits on a compiler.
 setup: $(STAMP)
 	$(BIN)/python -m labkit kernels

@@ -49,16 +49,26 @@ def _hand_over_to_the_installed_kernels() -> None:
     """Run from the repository's root, Python finds this folder as a top-level ``kernels`` too.
 
     That is the name of Hugging Face's kernel-hub package, which Transformers 5 imports when it
-    is installed. Such an import gets the installed package (found on ``sys.path`` without the
-    repository's root, put in ``sys.modules`` in place of this module); with none installed it
-    is an ``ImportError`` saying what this folder is.
+    is installed. Such an import gets the installed package: found by the import system's own
+    finders (an editable install's included) with the repository's root left out of
+    ``sys.path`` for the search, and put in ``sys.modules`` in place of this module. With none
+    installed it is an ``ImportError`` saying what this folder is. (``importlib.reload`` of the
+    hub package from the root is not supported: it would find this file again.)
     """
-    import importlib.machinery
     import importlib.util
 
     root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != root]
-    spec = importlib.machinery.PathFinder.find_spec(__name__, path)
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if os.path.realpath(p or os.getcwd()) != root]
+    try:
+        spec = None
+        for finder in sys.meta_path:     # not importlib.util.find_spec: it answers with this module
+            find = getattr(finder, "find_spec", None)
+            spec = find(__name__, None) if find is not None else None
+            if spec is not None:
+                break
+    finally:
+        sys.path[:] = saved
     if spec is None or spec.loader is None:
         raise ImportError(f"{os.path.dirname(__file__)} is the package labkit.kernels: import it by that name",
                           name=__name__)
@@ -71,8 +81,11 @@ def _hand_over_to_the_installed_kernels() -> None:
         raise
 
 
-if __name__ != "labkit.kernels":
+if __name__ == "kernels":
     _hand_over_to_the_installed_kernels()
+elif __name__ != "labkit.kernels":
+    raise ImportError(f"{os.path.dirname(__file__)} is the package labkit.kernels, imported here as {__name__}: "
+                      "import it as labkit.kernels", name=__name__)
 else:
     import torch
 

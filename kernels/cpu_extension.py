@@ -21,15 +21,15 @@ this CPU does not run (an AVX-512 build on a Zen 3 would stop at its first instr
 an unknown name is refused with the reason, and the backend uses its Numba kernel.
 
 ``make setup`` (so ``make lab`` and ``make test``) compiles the best build, with ``python -m
-labkit kernels``, so that no notebook cell waits on a compiler. Compiling takes 1.5 min of CPU
-time: :data:`COMPILE_TIME`; a
-progress line counts the seconds meanwhile (:class:`labkit.utils.Stopwatch`). Where setup
-did not run (Colab, a wheel), the first use compiles it the same way, once. A build is
-named after its ISA and a hash of the sources (headers included), the flags, torch's version
-and the CPU's feature flags (``labkit_cpu_avx2_<hash>``), so an edit, an upgrade, another ISA
-or another machine kind gets its own build, never a stale one; and a library of that name is
-imported as it is, from any checkout or any copy of the build folder, without asking ninja
-(whose check looks at paths and times).
+labkit kernels``, so that no notebook cell waits on a compiler. Compiling takes
+:data:`COMPILE_TIME`; a progress line counts the seconds meanwhile
+(:class:`labkit.utils.Stopwatch`). Where setup did not run (Colab, a wheel), the first use
+compiles it the same way, once. A build is named after its ISA and a hash of the sources
+(headers included), the flags, torch's version and the CPU's feature flags
+(``labkit_cpu_avx2_<hash>``), so an edit, an upgrade, another ISA or another machine kind gets
+its own build, never a stale one; and a library of that name is imported as it is, from any
+checkout or any copy of the build folder, without asking ninja (whose check looks at paths and
+times).
 
 The kernels run on torch's own OpenMP thread pool (``at::parallel_for``), the pool its
 matrix multiplies use: one pool for the whole forward pass.
@@ -64,10 +64,10 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "bindings.cpp"))
 # Measured, one build on an empty cache, 2 idle cores (AMD EPYC with AVX-512), 2026-12-04: avx512
 # 45 s (75 s of CPU time), avx2 53 s (83 s), portable 62 s (92 s). Before the kernel files
-# included ATen's headers instead of <torch/extension.h>: 119-157 s of CPU time, and 334-646 s
-# on 2 cores at load average 10-30. Said before compiling, so that a first run is not mistaken
-# for a hang.
-COMPILE_TIME = "about 1.5 min of CPU time: 45-60 s on 2 idle cores, several minutes on a busy 2-core machine"
+# included ATen's headers instead of <torch/extension.h>, the same machine and day: 117 s of CPU
+# (avx2, its three files compiled one after another: 62, 26 and 29 s); setup's avx512 build 86 s.
+# Said before compiling, so that a first run is not mistaken for a hang.
+COMPILE_TIME = "about 1.5 min of CPU time: 45-65 s on 2 idle cores, several minutes on a busy 2-core machine"
 
 # The implementations of vec.h's vector type, best first.
 ISAS = ("avx512", "avx2", "portable")

@@ -52,10 +52,11 @@ def pytest_report_header(config):
     return f"labkit: CUDA {'available' if _HAS_CUDA else 'not available: gpu tests skip'}"
 
 
-# LABKIT_TEST_TIMELINE=DIR: each worker writes DIR/<worker>.tsv, one line per test phase
-# (worker, start, end, phase, test; seconds since the epoch): where a worker waits, and on what.
-# `python tests/timeline.py DIR` sums each worker's busy and idle time and lists the longest gaps.
-_TIMELINE = os.environ.get("LABKIT_TEST_TIMELINE")
+# LABKIT_TEST_TIMELINE=DIR (an empty folder: lines are appended): each worker writes
+# DIR/<worker>.tsv, one line per test phase (worker, start, end, phase, test; seconds since the
+# epoch): where a worker waits, and on what. `python tests/timeline.py DIR` sums each worker's
+# busy and idle time and lists the longest gaps. (Absolute: some tests change directory.)
+_TIMELINE = os.path.abspath(os.environ["LABKIT_TEST_TIMELINE"]) if os.environ.get("LABKIT_TEST_TIMELINE") else None
 if _TIMELINE:
     import time
 

@@ -472,17 +472,6 @@ def test_lab_config_turns_the_news_pop_up_off():
 # as a top-level `kernels`: the name of Hugging Face's kernel-hub package, which Transformers 5
 # depends on and imports. CI failed on exactly that the day Transformers began to.
 
-def test_transformers_imports_from_the_repository_root_beside_the_kernels_folder():
-    probe = ("import transformers\nfrom transformers import LlamaConfig\nimport labkit.kernels, sys\n"
-             "print(labkit.kernels.paged_decode_attention.__module__)\n"
-             "print(getattr(sys.modules.get('kernels'), '__file__', None))")
-    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    module, top_level = run.stdout.split()
-    assert module == "labkit.kernels.paged_decode_attention"
-    assert top_level == "None" or Path(top_level).resolve().parent != ROOT / "kernels"
-
-
 def _hub_kernels_installed() -> bool:
     try:
         importlib.metadata.distribution("kernels")
@@ -491,13 +480,40 @@ def _hub_kernels_installed() -> bool:
     return True
 
 
+def _hub_kernels_init() -> Path:
+    """The ``__init__.py`` Hugging Face's installed kernels distribution ships."""
+    return Path(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py")).resolve()
+
+
+def test_transformers_imports_from_the_repository_root_beside_the_kernels_folder():
+    probe = ("import transformers\nfrom transformers import LlamaConfig\nimport labkit.kernels, sys\n"
+             "print(labkit.kernels.paged_decode_attention.__module__)\n"
+             "print(getattr(sys.modules.get('kernels'), '__file__', None))")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    module, top_level = run.stdout.split()
+    assert module == "labkit.kernels.paged_decode_attention"
+    if _hub_kernels_installed():        # Transformers imported it: the hub's package, not this folder
+        assert Path(top_level).resolve() == _hub_kernels_init()
+    else:
+        assert top_level == "None"
+
+
 @pytest.mark.skipif(not _hub_kernels_installed(), reason="Hugging Face's kernels package is not installed here")
 def test_a_top_level_kernels_import_from_the_root_gets_hugging_faces_package():
     run = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert Path(run.stdout.strip()).resolve().parent != ROOT / "kernels"
-    assert "site-packages" in run.stdout
+    assert Path(run.stdout.strip()).resolve() == _hub_kernels_init()
+
+
+def test_the_kernels_folder_under_any_other_name_is_refused():
+    # The checkout's folder as a namespace package, e.g. `import main.kernels` beside a clone in main/.
+    if not ROOT.name.isidentifier() or ROOT.name == "labkit":
+        pytest.skip(f"the checkout's folder name {ROOT.name!r} does not make another package name")
+    probe = f"import sys; sys.path.insert(0, {str(ROOT.parent)!r}); import {ROOT.name}.kernels"
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT.parent, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and f"imported here as {ROOT.name}.kernels" in run.stderr, run.stderr[-2000:]
 
 
 def test_a_top_level_kernels_import_without_the_hub_package_names_labkit_kernels():

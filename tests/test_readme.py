@@ -93,7 +93,7 @@ RULES = [
          "tests/test_swap.py runs its parts: micro and sim (test_swap_benchmark_reproduces_figure_19s_shape), "
          "real on tiny-llama at the same block sizes (test_swap_benchmark_measures_the_real_engine_...)"),
     Rule(r"python -m labkit\.bench costs\b", "parse",
-         "tests/test_server_limits.py runs this benchmark for one short round (test_costs_benchmark_...)"),
+         "tests/test_server_sampling.py runs this benchmark for one short round (test_costs_benchmark_...)"),
     Rule(r"python -m labkit\.bench startup\b", "parse",
          "tests/test_readme.py runs this benchmark with one repeat (test_startup_benchmark_...)"),
     Rule(r"python -m labkit\.bench spec\b", "parse",
@@ -383,7 +383,7 @@ def test_cli_written_out_defaults_match_their_sources():
 def test_startup_benchmark_times_each_command_and_sees_which_import_torch():
     """``python -m labkit.bench startup`` (the README's line runs five repeats), one repeat:
     every command timed, and only the engine's import loads torch."""
-    from labkit.bench.startup import COMMANDS
+    from labkit.bench.startup import COMMANDS, table
     run = subprocess.run([sys.executable, "-m", "labkit.bench", "startup", "--repeat", "1", "--json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -392,6 +392,9 @@ def test_startup_benchmark_times_each_command_and_sees_which_import_torch():
     for r in out["rows"]:
         assert 0 < r["min_s"] <= r["median_s"], r
         assert r["imports_torch"] == ("LLM" in r["command"]), r
+    printed = table(out["rows"], out["repeat"]).splitlines()       # what it prints without --json
+    assert len(printed) == 1 + len(COMMANDS) and "1 fresh processes each" in printed[0]
+    assert [line.split()[-1] for line in printed[1:]] == ["yes" if "LLM" in c else "no" for c in COMMANDS]
     bad = subprocess.run([sys.executable, "-m", "labkit.bench", "startup", "--repeat", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--repeat" in bad.stderr

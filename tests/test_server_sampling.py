@@ -16,6 +16,8 @@ Against a real loopback server on tiny-llama:
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -25,7 +27,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from labkit import LLM, SamplingParams  # noqa: E402
+from labkit.bench import costs  # noqa: E402
+from labkit.model.loader import tiny_config  # noqa: E402
 from labkit.server import BackgroundServer, parse_metrics  # noqa: E402
+from labkit.server.limits import Limits  # noqa: E402
 
 pytestmark = pytest.mark.server
 
@@ -501,26 +506,24 @@ def test_logprob_bytes_are_the_tokens_own_on_smollm2():
 @pytest.mark.slow
 def test_costs_benchmark_measures_every_option_beside_a_plain_request():
     """``python -m labkit.bench costs`` (the README runs it with --rounds 2): one short round
-    in a fresh process (it freezes its heap as the server does), every scenario measured."""
-    import subprocess
-    import sys
-
-    from labkit.bench import costs
+    in a fresh process (it freezes its heap as the server does), every scenario measured, and
+    the table it prints without --json."""
     run = subprocess.run([sys.executable, "-m", "labkit.bench", "costs", "--rounds", "1", "--steps", "5",
                           "--batch", "4", "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    import json
     result = json.loads(run.stdout)
     assert (result["model"], result["batch"], result["rounds"], result["steps_per_round"]) == ("tiny-llama", 4, 1, 5)
     rows = result["rows"]
-    from labkit.model.loader import tiny_config
-    from labkit.server.limits import Limits
-    expected = [s.name for s in costs.scenarios(tiny_config().vocab_size, Limits())]
+    expected = costs.scenarios(tiny_config().vocab_size, Limits())
     assert len(rows) == len(expected) == len({r["scenario"] for r in rows})   # (names carry the run's limits)
-    assert rows[0]["scenario"].startswith("plain") and rows[0]["vs_plain"] == 1.0
+    assert rows[0]["scenario"].startswith("plain") and not rows[0]["beyond_limits"]
+    assert [r["beyond_limits"] for r in rows] == [s.beyond_limits for s in expected]
     for r in rows:
-        assert 0 < r["step_p50_ms"] <= r["step_p99_ms"] and r["step_mean_ms"] > 0 and r["vs_plain"] > 0, r
-    assert any(r["beyond_limits"] for r in rows) and not rows[0]["beyond_limits"]
+        assert 0 < r["step_p50_ms"] <= r["step_p99_ms"] and r["step_mean_ms"] > 0, r
+        assert abs(r["vs_plain"] - r["step_p50_ms"] / rows[0]["step_p50_ms"]) < 1e-9, r
+    printed = costs.table(result)
+    assert all(r["scenario"] in printed for r in rows) and printed.count("[beyond limits]") == sum(
+        r["beyond_limits"] for r in rows)
     bad = subprocess.run([sys.executable, "-m", "labkit.bench", "costs", "--rounds", "0"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--rounds" in bad.stderr

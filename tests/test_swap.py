@@ -471,6 +471,13 @@ def test_swap_benchmark_measures_the_real_engine_at_two_block_sizes(capsys):
             assert r["num_swapped_blocks"] > 0 and r["swap_s"] > 0 and r["recomputed_tokens"] == 0, (bs, r)
         else:
             assert r["num_swapped_blocks"] == 0 and r["swap_s"] == 0 and r["recomputed_tokens"] > 0, (bs, r)
+    # Without --json, the same part as a table (one block size: the columns, each mode a row).
+    assert main(["--parts", "real", "--real-model", "tiny-llama", "--real-block-sizes", "16",
+                 "--real-prompts", "4", "--real-max-tokens", "48", "--real-kv-tokens", "192"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("== real: ") and "same_tokens" in printed[1]
+    assert [line.split()[:2] for line in printed[2:4]] == [["16", "recompute"], ["16", "swap"]]
+    assert all(line.split()[-1] == "True" for line in printed[2:4])
     # A pool that cannot hold one request is refused with the flag to raise, not served wrong.
     with pytest.warns(UserWarning, match="request rejected"):
         assert main(["--parts", "real", "--real-model", "tiny-llama", "--real-block-sizes", "16",

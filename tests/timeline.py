@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     for gap, worker, at, before, after in sorted(gaps, reverse=True)[:args.gaps]:
         print(f"  {gap:7.1f} s  {worker} at {at:.0f} s: after {before}  before {after}")
     print(f"\nlongest {args.top} test phases:")
-    for worker, start, end, phase, test in sorted(rows, key=lambda r: r[1] - r[2])[:args.top]:
+    for worker, start, end, phase, test in sorted(rows, key=lambda r: r[2] - r[1], reverse=True)[:args.top]:
         print(f"  {end - start:7.1f} s  {worker} {start - t0:5.0f}-{end - t0:5.0f} s  {phase:8} {test}")
     return 0
 

@@ -8,9 +8,9 @@
 // readable versions in labkit/model/llama.py, computed in fp32 whatever the storage dtype
 // (fp32 or bf16), on torch's thread pool.
 
-// ATen's own headers, not <torch/extension.h>: these kernels need tensors, two allocators and
-// the thread pool, not pybind11 and torch's Python API (bindings.cpp alone includes those).
-// That header alone costs about 25 s of compile per file: the build takes half the time.
+// ATen's own headers, not <torch/extension.h>: these kernels need tensors, two factory
+// functions and the thread pool, not pybind11 and torch's Python API (bindings.cpp alone
+// includes those). That header costs about 25 s of compile per file: a third of the build's CPU.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

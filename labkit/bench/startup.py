@@ -78,13 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(args.repeat)
     if args.json:
         print(json.dumps({"repeat": args.repeat, "python": sys.version.split()[0], "rows": rows}))
-        return 0
+    else:
+        print(table(rows, args.repeat))
+    return 0
+
+
+def table(rows: list[dict], repeat: int) -> str:
     width = max(len(r["command"]) for r in rows)
-    print(f"{'command':<{width}}  median    fastest   imports torch   ({args.repeat} fresh processes each)")
+    lines = [f"{'command':<{width}}  median    fastest   imports torch   ({repeat} fresh processes each)"]
     for r in rows:
         torch_loaded = "yes" if r["imports_torch"] else "no"
-        print(f"{r['command']:<{width}}  {r['median_s']:6.2f} s  {r['min_s']:6.2f} s  {torch_loaded}")
-    return 0
+        lines.append(f"{r['command']:<{width}}  {r['median_s']:6.2f} s  {r['min_s']:6.2f} s  {torch_loaded}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -467,6 +467,7 @@ def test_swap_benchmark_measures_the_real_engine_at_two_block_sizes(capsys):
     assert sorted(rows) == [(16, "recompute"), (16, "swap"), (128, "recompute"), (128, "swap")]
     for (bs, mode), r in rows.items():
         assert r["same_tokens"] is True and r["num_preemptions"] > 0 and r["wall_s"] > 0, (bs, mode, r)
+        assert r["leaked_blocks"] == 0, (bs, mode, r)
         if mode == "swap":
             assert r["num_swapped_blocks"] > 0 and r["swap_s"] > 0 and r["recomputed_tokens"] == 0, (bs, r)
         else:

@@ -42,7 +42,8 @@
 
 // ATen's own headers, not <torch/extension.h>: these kernels need tensors, two factory
 // functions and the thread pool, not pybind11 and torch's Python API (bindings.cpp alone
-// includes those). That header costs about 25 s of compile per file: a third of the build's CPU.
+// includes those). Compiling a file that holds nothing but that header takes 30 s at -O3; these
+// four headers, 6 s (2-core Zen 4): a build's CPU time went from 117 to 75-92 s.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

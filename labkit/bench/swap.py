@@ -134,8 +134,9 @@ def simulated(model: str, hardware: str, block_sizes: list[int], num_requests: i
 def measured(model: str, block_sizes: list[int], num_prompts: int, max_tokens: int, kv_tokens: int,
              granularity: str) -> dict:
     """The real engine under each mode and block size: wall time, seconds in swap copies
-    (measured around the copies), tokens recomputed; the greedy tokens of both modes must
-    agree (they are returned as ``same_tokens``)."""
+    (measured around the copies), tokens recomputed, blocks of either pool still held at the
+    end (``leaked_blocks``, as the simulated part reports); the greedy tokens of both modes
+    must agree (they are returned as ``same_tokens``)."""
     from .. import LLM, SamplingParams
 
     prompts = [f"Question {i}: explain in a few sentences why the sky is blue, then why sunsets are red."
@@ -159,6 +160,9 @@ def measured(model: str, block_sizes: list[int], num_prompts: int, max_tokens: i
                 raise ValueError(f"block size {bs}: the pool of {kv_tokens} KV tokens refuses a request "
                                  f"({refused[0]}); raise --real-kv-tokens")
             s = llm.stats()
+            sched = llm.engine.scheduler           # every request done: nothing may hold a block
+            host = sched.host_allocator
+            leaked = sched.allocator.num_used_blocks + (host.num_used_blocks if host is not None else 0)
             prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
             tokens_by_mode[mode] = [o.outputs[0].token_ids for o in outs]
             rows.append({"block_size": bs, "mode": mode, "wall_s": wall,
@@ -169,7 +173,8 @@ def measured(model: str, block_sizes: list[int], num_prompts: int, max_tokens: i
                          "recomputed_tokens": s["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]
                          - prompt_tokens,
                          "normalized_latency_s": sum(o.metrics.finished_time - o.metrics.arrival_time
-                                                     for o in outs) / (len(outs) * max_tokens)})
+                                                     for o in outs) / (len(outs) * max_tokens),
+                         "leaked_blocks": leaked})
         rows[-1]["same_tokens"] = rows[-2]["same_tokens"] = tokens_by_mode["recompute"] == tokens_by_mode["swap"]
     return {"model": model, "granularity": granularity, "prompts": num_prompts, "max_tokens": max_tokens,
             "kv_tokens": kv_tokens, "rows": rows}

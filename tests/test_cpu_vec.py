@@ -358,3 +358,26 @@ def test_bench_times_every_isa_in_turn(capsys):
     assert "load average" in out
     for isa in cpu_extension.runnable_isas():
         assert f"{isa} ms" in out
+
+
+# ---- linear layers on panels (csrc/linear.cpp) -------------------------------------------
+
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (17, 5), (33, 64), (1, 3), (48, 16)])
+def test_linear_panels_equal_f_linear_for_every_row_count(ext, out_features, in_features):
+    """Every remainder of the row tiles (1-7 rows past a multiple of 8 or 6), a panel count that
+    is odd and one whose last panel is padding, with and without a bias, against F.linear in
+    float64; and the same bits whatever the number of rows (batch invariance)."""
+    from labkit.kernels.linear_cpu import linear_panels, pack_panels
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    panels = pack_panels(w)
+    x = torch.randn(135, in_features, generator=g)
+    for b in (None, bias):
+        full = linear_panels(ext, x, panels, out_features, b)
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(full.double(), ref, atol=2e-5 * in_features ** 0.5, rtol=1e-5)
+        for m in (0, 1, 2, 3, 5, 6, 7, 8, 9, 12, 16, 17):
+            part = linear_panels(ext, x[:m], panels, out_features, b)
+            assert part.shape == (m, out_features)
+            assert torch.equal(part, full[:m]), f"{m} rows differ from the same rows among 135"

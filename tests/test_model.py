@@ -530,19 +530,27 @@ def _cpu_backend_or_skip():
         pytest.skip("the 'cpu' backend needs Numba")
 
 
-def test_cpu_backend_packs_linears_and_matches_hf(tiny, tiny_hf):
-    """The fast path (packed weights, Numba decode) gives HF's logits, prefill and decode,
-    and the readable "torch" backend keeps the plain weights."""
+@pytest.mark.parametrize("layout", ["auto", "panels", "onednn"])
+def test_cpu_backend_packs_linears_and_matches_hf(tiny, tiny_hf, layout, monkeypatch):
+    """The fast path (packed weights: labkit's panels or oneDNN's; C++ decode) gives HF's
+    logits, prefill and decode, and the readable "torch" backend keeps the plain weights."""
     _cpu_backend_or_skip()
-    from labkit.model.llama import Linear, can_pack_linears
+    from labkit.kernels import cpu_extension
+    from labkit.model.llama import Linear, linear_layout
 
+    if layout == "panels" and cpu_extension.load() is None:
+        pytest.skip(f"panels need the C++ kernels: {cpu_extension.status()[1]}")
+    monkeypatch.setenv("LABKIT_CPU_LINEAR", layout)
     fast = ModelRunner(tiny, block_size=4, num_blocks=64, attention_backend="cpu")
-    assert fast.packed_linears == can_pack_linears(torch.device("cpu"), torch.float32)
+    expected = linear_layout(torch.device("cpu"), torch.float32)[0]
+    assert fast.linear_layout == expected and (layout == "auto" or expected == layout)
     linears = [m for m in fast.model.modules() if isinstance(m, Linear)]
-    assert linears and all((m.packed is not None) == fast.packed_linears for m in linears)
+    assert linears and all((m.packed is not None) == (expected == "onednn") for m in linears)
+    assert all((m.panels is not None) == (expected == "panels") and (m.weight_t is None) == bool(expected)
+               for m in linears)
     plain = ModelRunner(tiny, block_size=4, num_blocks=64, attention_backend="torch")
-    assert not plain.packed_linears
-    assert all(m.packed is None for m in plain.model.modules() if isinstance(m, Linear))
+    assert not plain.packed_linears and plain.linear_layout is None
+    assert all(m.packed is None and m.panels is None for m in plain.model.modules() if isinstance(m, Linear))
     ids = prompt(37, 5)
     ref = hf_logits(tiny_hf, ids)
     blocks = Blocks(fast.num_blocks, seed=2).take(blocks_for(len(ids), 4))

@@ -20,6 +20,8 @@ at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at
 at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor vec_exp(const at::Tensor& x);
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "labkit's C++ CPU kernels";
@@ -40,5 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotary embedding of q and k, and k, v written into the cache at their slots; returns q");
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place, if given), then rms_norm(x) * weight");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]");
+  m.def("linear_panels", &linear_panels,
+        "y = x W^T + b for fp32 x [M, K] and W packed in panels [ceil(N / 16), K, 16] (kernels/linear.py)",
+        py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("vec_exp", &vec_exp, "exp of an fp32 tensor by the kernels' vector exp (for testing its accuracy)");
 }

@@ -18,6 +18,7 @@ COMMANDS = {
     "http": "the OpenAI-compatible server under concurrent streaming clients",
     "costs": "what one request's options (stop strings, logit_bias, logprobs, n, ...) cost each engine iteration",
     "disagg": "prefill/decode interference, chunked prefill and disaggregation (simulated)",
+    "matmul": "the linear layers of one forward pass: labkit's panels against oneDNN and MKL, by rows",
     "step": "one engine iteration (a decode batch, a long prefill) and attention's share of it",
     "swap": "preemption by swapping vs recomputation, by block size (paper's Figure 19; about 3 min)",
     "gpu-check": "everything that needs a GPU: gpu tests, kernel bandwidth, engine = Transformers on CUDA",

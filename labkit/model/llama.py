@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -187,9 +188,12 @@ class Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
+        self.out_features = weight.shape[0]
         self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [in, out]
         self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
         self.packed: torch.Tensor | None = None  # oneDNN's blocked copy of W, once ``pack`` ran
+        self.panels: torch.Tensor | None = None  # or W in panels for labkit's C++ loop (``pack_panels``)
+        self._ext = None                         # the compiled module that multiplies panels
 
     def pack(self) -> None:
         """What production CPU engines do (vLLM's CPU build, IPEX): reorder W once, at load,
@@ -201,7 +205,19 @@ class Linear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_t.detach().t().contiguous(), 64)
         self.weight_t = None
 
+    def pack_panels(self, ext) -> None:
+        """Reorder W once, at load, into panels of 16 output columns for labkit's own C++
+        multiply (``kernels/linear_cpu.py``, ``csrc/linear.cpp``), which streams the weights
+        at memory's speed when few rows are multiplied (decoding), and sums every output in
+        one order whatever the number of rows. fp32 only. The plain ``weight_t`` is dropped."""
+        from labkit.kernels.linear_cpu import pack_panels
+        self.panels = pack_panels(self.weight_t.detach().t())
+        self._ext = ext
+        self.weight_t = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return self._ext.linear_panels(x.contiguous(), self.panels, self.out_features, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _onednn_runs_bf16():
@@ -227,6 +243,39 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     return dtype == torch.float32 or _onednn_runs_bf16()
+
+
+LINEAR_LAYOUTS = ("onednn", "panels")
+LINEAR_CHOICES = ("auto", *LINEAR_LAYOUTS)  # LABKIT_CPU_LINEAR's values
+
+
+def linear_layout(device: torch.device, dtype: torch.dtype) -> tuple[str | None, object]:
+    """(layout, module) of the CPU backend's linear layers here: "panels" (labkit's C++ loop,
+    ``kernels/linear_cpu.py``, with the compiled module that runs it) for fp32 where the C++
+    kernels are built with SIMD vectors (AVX-512 or AVX2); else "onednn" where
+    :func:`can_pack_linears`; else None (plain weights, ``F.linear``'s maths). The panels were
+    measured faster than oneDNN at decoding's few rows and as fast at a prefill's hundreds
+    (``python -m labkit.bench matmul``); oneDNN keeps bf16, whose dot-product instructions
+    (AVX512-BF16, AMX) the loop does not use. ``LABKIT_CPU_LINEAR=onednn`` (or ``panels``)
+    chooses; ``auto`` is the default. ValueError for another value, or for panels where
+    they cannot run."""
+    wanted = os.environ.get("LABKIT_CPU_LINEAR", "auto").strip().lower() or "auto"
+    if wanted not in LINEAR_CHOICES:
+        raise ValueError(f"LABKIT_CPU_LINEAR={wanted!r} is not one of {', '.join(LINEAR_CHOICES)}")
+    ext = None
+    if device.type == "cpu" and dtype == torch.float32 and wanted != "onednn":
+        from labkit.kernels import cpu_extension
+        ext = cpu_extension.load()
+        if ext is not None and not hasattr(ext, "linear_panels"):
+            ext = None
+    if wanted == "panels":
+        if ext is None:
+            raise ValueError("LABKIT_CPU_LINEAR=panels needs fp32 on a CPU and labkit's C++ kernels "
+                             f"({'not built here' if dtype == torch.float32 else f'this model is {dtype}'})")
+        return "panels", ext
+    if ext is not None and ext.isa() != "portable":
+        return "panels", ext
+    return ("onednn" if can_pack_linears(device, dtype) else None), None
 
 
 @functools.cache
@@ -391,12 +440,19 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(lm_head)
         self.rotary = RotaryEmbedding(config, spec.head_dim, spec.max_position)
 
-    def pack_linears(self) -> None:
-        """Switch every projection and the LM head to oneDNN's packed weights (see
-        ``Linear.pack``); the CPU backend does this at load. Irreversible for this model."""
+    def pack_linears(self, layout: str = "onednn", ext=None) -> None:
+        """Switch every projection and the LM head to packed weights: oneDNN's (``layout``
+        "onednn", ``Linear.pack``) or panels for labkit's C++ loop ("panels", ``ext`` the
+        compiled module: ``Linear.pack_panels``). The CPU backend does this at load, as
+        :func:`linear_layout` says. Irreversible for this model."""
+        if layout not in LINEAR_LAYOUTS:
+            raise ValueError(f"unknown linear layout {layout!r}; choose one of {', '.join(LINEAR_LAYOUTS)}")
         for m in self.modules():
-            if isinstance(m, Linear) and m.packed is None:
-                m.pack()
+            if isinstance(m, Linear) and m.packed is None and m.panels is None:
+                if layout == "panels":
+                    m.pack_panels(ext)
+                else:
+                    m.pack()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, ops, logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 
 from ..utils import cdiv
 from .kv_cache import KVCache
-from .llama import AttentionMetadata, LlamaModel, ModelSpec, can_pack_linears
+from .llama import AttentionMetadata, LlamaModel, ModelSpec, linear_layout
 from .loader import LoadedModel, load_model
 
 
@@ -226,12 +226,16 @@ class ModelRunner:
             self.attention_backend_reason = ("CPU backend in fp16: the torch reference's decode and SDPA for "
                                              "prefill chunks (the C++ and Numba kernels and oneDNN's packed "
                                              "weights take fp32 and bf16: fp16 on a CPU saves memory, not time)")
-        # The CPU backend is the fast path: its matmuls use oneDNN's packed weights too. The
-        # "torch" backend keeps the plain ones, the reference chapters 5 and 6 read.
-        self.packed_linears = self.attention_backend == "cpu" and can_pack_linears(self.device, dtype)
-        if self.packed_linears:
-            self.model.pack_linears()
-            self.attention_backend_reason += "; matmuls on oneDNN-packed weights"
+        # The CPU backend is the fast path: its matmuls use packed weights too (labkit's C++
+        # loop on panels in fp32, oneDNN's packed weights in bf16). The "torch" backend keeps
+        # the plain ones, the reference chapters 5 and 6 read.
+        layout, ext = linear_layout(self.device, dtype) if self.attention_backend == "cpu" else (None, None)
+        self.linear_layout = layout
+        self.packed_linears = layout is not None
+        if layout is not None:
+            self.model.pack_linears(layout, ext)
+            self.attention_backend_reason += ("; matmuls by labkit's C++ loop on weights packed in panels"
+                                              if layout == "panels" else "; matmuls on oneDNN-packed weights")
         elif self.attention_backend == "cpu" and dtype == torch.bfloat16:
             self.attention_backend_reason += ("; matmuls on plain bf16 weights, widened to fp32 (this CPU has "
                                               "no bf16 matrix kernels: bf16 saves memory here, not time)")

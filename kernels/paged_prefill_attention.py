@@ -291,11 +291,16 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     loop; the SDPA path gathers the chunk's context dequantized.
     """
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scales, v_scales)
+    ext = _row_kernel(q, k_cache)
+    if ext is not None and int(context_lens.max()) <= ROWS_MAX_CONTEXT:  # the common case: every chunk as rows
+        return ext.paged_prefill_attention_chunks(
+            q.float().contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+            context_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(), float(scale),
+            k_scales, v_scales).to(q.dtype)
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()  # one host sync each
     out = torch.empty_like(q)
     num_seqs = len(ctx)
     long_seqs = range(num_seqs)
-    ext = _row_kernel(q, k_cache)
     if ext is not None:
         short = [i for i in range(num_seqs) if ctx[i] <= ROWS_MAX_CONTEXT and starts[i + 1] > starts[i]]
         long_seqs = [i for i in range(num_seqs) if ctx[i] > ROWS_MAX_CONTEXT]

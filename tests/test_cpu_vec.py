@@ -121,6 +121,24 @@ def test_prefill_rows_are_causal_attention_over_each_rows_prefix(ext, dtype):
     torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_are_the_rows_of_their_chunks(ext, dtype):
+    """paged_prefill_attention_chunks works out each row's sequence and length itself: the
+    same output as the rows entry given them, for a fresh prompt, a chunk after a prefix, an
+    empty chunk and a one-token chunk; and a chunk longer than its context is refused."""
+    q, k, v, tables, lens = _paged([37, 23 + 14, 9, 41], 16, 3, 64, 9, dtype, seed=7)
+    chunks = [(0, 37), (23, 14), (9, 0), (40, 1)]
+    starts = torch.tensor([0, 37, 51, 51, 52], dtype=torch.int32)
+    row_seq = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, (_, n) in enumerate(chunks)])
+    row_lens = torch.cat([torch.arange(p + 1, p + n + 1, dtype=torch.int32) for p, n in chunks])
+    qr = torch.randn(len(row_seq), 9, 64, generator=torch.Generator().manual_seed(8))
+    out = ext.paged_prefill_attention_chunks(qr, k, v, tables, lens, starts, 0.2)
+    assert torch.equal(out, ext.paged_prefill_attention_rows(qr, k, v, tables, row_lens, row_seq, 0.2))
+    with pytest.raises(RuntimeError, match="sequence 2: a chunk of 10 rows in a context of 9"):
+        ext.paged_prefill_attention_chunks(torch.randn(62, 9, 64), k, v, tables, lens,
+                                           torch.tensor([0, 37, 51, 61, 62], dtype=torch.int32), 0.2)
+
+
 QUANTIZED = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
 
 

@@ -13,6 +13,11 @@ at::Tensor paged_prefill_attention_rows(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& row_seq, double scale,
                                         const c10::optional<at::Tensor>& k_scales,
                                         const c10::optional<at::Tensor>& v_scales);
+at::Tensor paged_prefill_attention_chunks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                          const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                          const at::Tensor& query_start_loc, double scale,
+                                          const c10::optional<at::Tensor>& k_scales,
+                                          const c10::optional<at::Tensor>& v_scales);
 
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
@@ -38,6 +43,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prefill as query rows: row r attends to the first row_lens[r] tokens of sequence row_seq[r]",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("row_lens"),
         py::arg("row_seq"), py::arg("scale"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
+  m.def("paged_prefill_attention_chunks", &paged_prefill_attention_chunks,
+        "prefill chunks, every row: sequence i's rows query_start_loc[i]:query_start_loc[i + 1], causally",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none());
   m.def("rope_and_cache", &rope_and_cache,
         "rotary embedding of q and k, and k, v written into the cache at their slots; returns q");
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place, if given), then rms_norm(x) * weight");

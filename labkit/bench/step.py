@@ -134,8 +134,9 @@ def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefi
 
 # Top-level torch ops that are matrix multiplies (their children, e.g. aten::mm under
 # aten::matmul, are inside them). Everything else that is not attention is element-wise.
+_PANELS = "labkit::linear_panels"  # labkit's C++ matmul (kernels/linear_cpu.py), labelled by _LabelledPanels
 _MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "aten::bmm",
-               "mkldnn::_linear_pointwise", "mkl::_mkl_linear"}
+               "mkldnn::_linear_pointwise", "mkl::_mkl_linear", _PANELS}
 _ATTENTION = "labkit::attention"
 _FUSED = "labkit::fused"  # the CPU backend's fused rotary + cache write, add + RMSNorm, SiLU * up
 
@@ -162,6 +163,18 @@ class _ProfiledOps(_WrappedOps):
             return call
         return replace(f, rope_and_cache=labelled(f.rope_and_cache), add_rms_norm=labelled(f.add_rms_norm),
                        silu_and_mul=labelled(f.silu_and_mul))
+
+
+class _LabelledPanels:
+    """A ``Linear``'s compiled module with its multiply in a labelled profiler range: a call
+    into the C++ extension is invisible to the profiler on its own."""
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    def linear_panels(self, *a):
+        with torch.profiler.record_function(_PANELS):
+            return self.ext.linear_panels(*a)
 
 
 def machine_peaks(dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> dict:
@@ -260,7 +273,11 @@ def op_breakdown(runner: ModelRunner, chunks: list[SeqChunk], peaks: dict, repea
 
     rows = [SamplingRow() for c in chunks if c.compute_logits]
     one_thread = torch.get_num_threads() == 1
+    from ..model.llama import Linear
     ops, runner.ops = runner.ops, _ProfiledOps(runner.ops)
+    on_panels = [m for m in runner.model.modules() if isinstance(m, Linear) and m.panels is not None]
+    for m in on_panels:
+        m._ext = _LabelledPanels(m._ext)
     samples: dict[str, list[float]] = {}
     try:
         with torch.inference_mode():
@@ -292,6 +309,8 @@ def op_breakdown(runner: ModelRunner, chunks: list[SeqChunk], peaks: dict, repea
                     samples.setdefault(k, []).append(v)
     finally:
         runner.ops = ops
+        for m in on_panels:
+            m._ext = m._ext.ext
     out = {k: statistics.median(v) for k, v in samples.items()}
     floors = _floors(runner, chunks, peaks)
     return {"seconds": out, "floors": {k: floors[k] for k in ("matmul", "attention", "elementwise", "sampling")},

@@ -92,3 +92,23 @@ def test_smollm2_on_panels_gives_the_tokens_of_onednn(monkeypatch):
         outs[layout] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert llm.allocator.num_free_blocks == llm.allocator.num_blocks == 64
     assert outs["panels"] == outs["onednn"]
+
+
+@needs_ext
+def test_the_matmul_benchmark_times_every_method_on_the_models_shapes(capsys):
+    from labkit.bench.matmul import main, model_shapes, run, table
+    from labkit.model.loader import tiny_config
+    shapes = model_shapes("tiny-llama")
+    c = tiny_config()
+    assert len(shapes) == 4 * c.num_hidden_layers + 1 and shapes[-1] == (c.vocab_size, c.hidden_size)
+    result = run("tiny-llama", [1, 9], ["panels", "onednn", "mkl"], None, 1)
+    assert set(result["rows"]) == {1, 9}
+    for row in result["rows"].values():
+        assert set(row) == {f"panels-{EXT.isa()}", "onednn", "mkl"}
+        assert all(r["ms"] > 0 and r["gb_per_s"] > 0 and r["gflop_per_s"] > 0 for r in row.values())
+    text = table(result)
+    assert text.count("\n| ") == 3 and "panels-" in text and "GB/s" in text
+    assert main(["--model", "tiny-llama", "--rows", "2", "--repeats", "1", "--methods", "panels"]) == 0
+    assert f"panels-{EXT.isa()} ms" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="rows must be >= 1"):
+        run("tiny-llama", [0], ["mkl"], None, 1)

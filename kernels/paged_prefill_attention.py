@@ -292,7 +292,7 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scales, v_scales)
     ext = _row_kernel(q, k_cache)
-    if ext is not None and int(context_lens.max()) <= ROWS_MAX_CONTEXT:  # the common case: every chunk as rows
+    if ext is not None and context_lens.numel() and int(context_lens.max()) <= ROWS_MAX_CONTEXT:  # the common case
         return ext.paged_prefill_attention_chunks(
             q.float().contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
             context_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(), float(scale),

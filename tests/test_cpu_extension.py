@@ -470,6 +470,7 @@ def test_the_default_build_is_resolved_once_per_setting(monkeypatch):
         cpu_extension.load()
 
 
+@pytest.mark.skipif(not cpu_extension._is_x86(), reason="the flags are read from /proc/cpuinfo on x86 only")
 def test_the_cpu_flags_are_read_once(monkeypatch):
     reads = []
     real = Path.read_text
@@ -483,4 +484,19 @@ def test_the_cpu_flags_are_read_once(monkeypatch):
         isas = {cpu_extension.cpu_isa() for _ in range(5)}
     finally:
         cpu_extension._cpu_flags.cache_clear()
-    assert len(isas) == 1 and reads.count("/proc/cpuinfo") <= 1, reads
+    assert len(isas) == 1 and reads.count("/proc/cpuinfo") == 1, reads
+
+
+@needs_ext
+def test_cpu_prefill_takes_empty_chunks_and_an_empty_batch():
+    """The one-call path of paged_prefill_attention_cpu: a sequence with no rows this step
+    between two that have some, and a step with no sequences at all, as the reference."""
+    from labkit.kernels import paged_prefill_attention_cpu, paged_prefill_attention_ref
+    _, k, v, tables, lens = _paged(3, [20, 11, 33], 16, 3, 64, 9, torch.float32, seed=4)
+    starts = torch.tensor([0, 20, 20, 25], dtype=torch.int32)       # chunks of 20, 0 and 5 rows
+    q = torch.randn(25, 9, 64, generator=torch.Generator().manual_seed(5))
+    out = paged_prefill_attention_cpu(q, k, v, tables, lens, starts, 0.125)
+    torch.testing.assert_close(out, paged_prefill_attention_ref(q, k, v, tables, lens, starts, 0.125),
+                               atol=2e-5, rtol=2e-5)
+    none = paged_prefill_attention_cpu(q[:0], k, v, tables[:0], lens[:0], starts[:1], 0.125)
+    assert none.shape == (0, 9, 64)

@@ -78,6 +78,7 @@ def test_the_layout_follows_dtype_and_the_setting(monkeypatch):
 
 
 @needs_ext
+@pytest.mark.slow
 def test_smollm2_on_panels_gives_the_tokens_of_onednn(monkeypatch):
     """The default model's greedy tokens on panels and on oneDNN's packed weights: the two
     multiplies round differently, the tokens are the same (and every block comes back)."""
@@ -112,3 +113,39 @@ def test_the_matmul_benchmark_times_every_method_on_the_models_shapes(capsys):
     assert f"panels-{EXT.isa()} ms" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="rows must be >= 1"):
         run("tiny-llama", [0], ["mkl"], None, 1)
+
+
+@needs_ext
+def test_a_layer_on_panels_takes_leading_dimensions(monkeypatch):
+    """The model passes [tokens, features]; a notebook may pass a batch dimension too."""
+    from labkit.model.llama import Linear
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(40, 24, generator=g), torch.randn(40, generator=g), torch.randn(2, 3, 24, generator=g)
+    layer = Linear(w, b)
+    layer.pack_panels(EXT)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+    torch.testing.assert_close(layer(x[0]), F.linear(x[0], w, b))
+
+
+@needs_ext
+@pytest.mark.slow
+def test_a_sequences_logits_do_not_depend_on_its_batch(monkeypatch):
+    """On panels the whole forward pass is batch-invariant on the CPU backend: the matmul sums
+    in one order whatever the rows, and attention and the element-wise ops work row by row. A
+    sequence's logits are the same bits decoded alone and beside seven others, and its
+    prompt's alone and packed with other prompts. (SmolLM2, not tiny-llama: at tiny-llama's
+    sizes oneDNN is batch-invariant too, at SmolLM2's its decode logits differ by ~4e-5.)"""
+    from labkit.model import load_model
+    from labkit.model.runner import ModelRunner, SeqChunk
+    monkeypatch.setenv("LABKIT_CPU_LINEAR", "panels")
+    runner = ModelRunner(load_model("smollm2-135m"), block_size=16, num_blocks=96, attention_backend="cpu")
+    assert runner.linear_layout == "panels"
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in (13, 7, 21, 5, 9, 16, 40, 3)]
+    blocks = [list(range(10 * i, 10 * i + 10)) for i in range(len(prompts))]
+    alone = runner.execute([SeqChunk(prompts[0], 0, blocks[0])])
+    packed = runner.execute([SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)])
+    assert torch.equal(alone[0], packed[0])
+    step = [SeqChunk([7 + i], len(p), b) for i, (p, b) in enumerate(zip(prompts, blocks))]
+    together = runner.execute(step)
+    assert torch.equal(runner.execute(step[:1])[0], together[0])      # the same token, the same slot

@@ -540,6 +540,8 @@ def test_cpu_backend_packs_linears_and_matches_hf(tiny, tiny_hf, layout, monkeyp
 
     if layout == "panels" and cpu_extension.load() is None:
         pytest.skip(f"panels need the C++ kernels: {cpu_extension.status()[1]}")
+    if layout == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN (mkldnn)")
     monkeypatch.setenv("LABKIT_CPU_LINEAR", layout)
     fast = ModelRunner(tiny, block_size=4, num_blocks=64, attention_backend="cpu")
     expected = linear_layout(torch.device("cpu"), torch.float32)[0]

@@ -28,6 +28,14 @@ at::Tensor vec_exp(const at::Tensor& x);
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
 
+// The matmul and the attention loops run without the GIL, as torch's own ops (oneDNN's linear
+// included) do: in `labkit serve` the engine steps on a thread of its own, and the event loop
+// serves HTTP meanwhile. They touch no Python object; pybind11 converts the arguments before
+// and the result after. The fused element-wise ops (microseconds each) keep it: releasing and
+// taking it back costs about what they do, and every release is a chance for another thread
+// to hold the engine's thread up.
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "labkit's C++ CPU kernels";
   m.def("supports", &supports, "whether paged_decode_attention has a kernel for (head_dim, group, block_size)");
@@ -35,25 +43,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over the paged KV cache, read in place (fp32, bf16, or int8 / fp8 with their scales; "
         "fp32 q and out)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
+        py::arg("scale"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(), release_gil());
   m.def("vectorized", &vectorized,
         "whether (head_dim, group) runs vectorized on this build: SIMD registers and a compiled group");
   m.def("isa", &isa, "the instruction set this build's vectors use: avx512, avx2 or portable (vec.h)");
   m.def("paged_prefill_attention_rows", &paged_prefill_attention_rows,
         "prefill as query rows: row r attends to the first row_lens[r] tokens of sequence row_seq[r]",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("row_lens"),
-        py::arg("row_seq"), py::arg("scale"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
+        py::arg("row_seq"), py::arg("scale"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
+        release_gil());
   m.def("paged_prefill_attention_chunks", &paged_prefill_attention_chunks,
         "prefill chunks, every row: sequence i's rows query_start_loc[i]:query_start_loc[i + 1], causally",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("k_scales") = py::none(),
-        py::arg("v_scales") = py::none());
+        py::arg("v_scales") = py::none(), release_gil());
   m.def("rope_and_cache", &rope_and_cache,
         "rotary embedding of q and k, and k, v written into the cache at their slots; returns q");
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place, if given), then rms_norm(x) * weight");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]");
   m.def("linear_panels", &linear_panels,
-        "y = x W^T + b for fp32 x [M, K] and W packed in panels [ceil(N / 16), K, 16] (kernels/linear.py)",
-        py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());
+        "y = x W^T + b for fp32 x [M, K] and W packed in panels [ceil(N / 16), K, 16] (kernels/linear_cpu.py)",
+        py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none(), release_gil());
   m.def("vec_exp", &vec_exp, "exp of an fp32 tensor by the kernels' vector exp (for testing its accuracy)");
 }

@@ -4,10 +4,10 @@
 // (one per sequence: 1 to 16 at a class's batch sizes) by every weight matrix of the model, so
 // a decode step reads all the weights (540 MB for SmolLM2-135M in fp32) to do 2 multiply-adds
 // per weight and row. That is bound by memory bandwidth, and the libraries, tuned for large
-// matrices, stream the weights well below it: oneDNN's packed fp32 linear reached 17-19 GB/s
+// matrices, stream the weights well below it: oneDNN's packed fp32 linear reached 15-19 GB/s
 // here at 1-8 rows, against 25 GB/s for a plain sum over the same bytes (2-core Zen 4).
 //
-// The layout (kernels/linear.py packs it once, at load): W [N, K] becomes
+// The layout (kernels/linear_cpu.py packs it once, at load): W [N, K] becomes
 // panels [ceil(N / 16), K, 16]: panel p holds output columns 16p .. 16p + 15, and for each k
 // their 16 weights side by side, one Vec16, one 64-byte cache line. Reading a panel is one
 // contiguous stream, which the hardware prefetcher follows; the last panel is padded with
@@ -21,7 +21,10 @@
 //
 // Work is split over threads by panels (at::parallel_for, torch's own thread pool, the one
 // its other ops use): each thread streams its share of the weights once and, for a long x
-// (a prefill), runs every row tile over a panel while the panel is in its L2 cache.
+// (a prefill), runs every row tile over a panel while the panel is in its L2 cache. Where a
+// matrix has too few panels to keep every thread busy (a many-core machine, a narrow layer)
+// and x has rows to spare, the rows are split into blocks too, each block of a panel group one
+// unit of work.
 //
 // Batch invariance: every output y[r, n] is sum_k x[r, k] W[n, k] added in the order
 // k = 0, 1, ..., K - 1 in one accumulator, then the bias: the same bits whatever the number
@@ -66,7 +69,7 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, const f
     Vec16 wk[P];
     for (int p = 0; p < P; ++p) {
       const float* row = w + p * panel_stride + k * kPanel;
-      __builtin_prefetch(row + kAhead * kPanel, 0, 3);
+      if (k + kAhead < K) __builtin_prefetch(row + kAhead * kPanel, 0, 3);  // within the panel only
       wk[p] = Vec16::load(row);
     }
     for (int r = 0; r < R; ++r) {
@@ -104,7 +107,7 @@ void rows_over_panels(const float* x, int64_t M, int64_t K, const float* w, cons
 
 }  // namespace
 
-// x fp32 [M, K] contiguous; panels fp32 [ceil(N / 16), K, 16] contiguous (kernels/linear.py's
+// x fp32 [M, K] contiguous; panels fp32 [ceil(N / 16), K, 16] contiguous (kernels/linear_cpu.py's
 // pack_panels); bias fp32 [N] or None. Returns fp32 [M, N].
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                          const c10::optional<at::Tensor>& bias) {
@@ -128,17 +131,26 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t num_panels = panels.size(0);
-  const int64_t groups = (num_panels + kPanels - 1) / kPanels;  // units of work: kPanels panels each
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * kPanels;
+  const int64_t groups = (num_panels + kPanels - 1) / kPanels;  // kPanels panels each
+  // Rows in blocks only where the panel groups alone leave threads idle: at least 4 units per
+  // thread, each block a whole number of tiles. (Every output is still summed in one order.)
+  const int64_t want = 4 * int64_t(at::get_num_threads());
+  const int64_t tiles = (M + kRows - 1) / kRows;
+  const int64_t row_blocks = groups >= want ? 1 : std::min(tiles, (want + groups - 1) / groups);
+  const int64_t block_rows = (tiles + row_blocks - 1) / row_blocks * kRows;
+  at::parallel_for(0, groups * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {  // consecutive units: one panel group's row blocks
+      const int64_t first = (u / row_blocks) * kPanels, r0 = (u % row_blocks) * block_rows;
+      const int64_t rows = std::min(block_rows, M - r0);
+      if (rows <= 0) continue;
       const int cols = int(std::min<int64_t>(kPanels * kPanel, N - first * kPanel));
       const float* w = wp + first * K * kPanel;
       const float* bg = b != nullptr ? b + first * kPanel : nullptr;
+      float* yu = yp + r0 * N + first * kPanel;
       if (num_panels - first >= kPanels)
-        rows_over_panels<kPanels>(xp, M, K, w, bg, yp + first * kPanel, N, cols);
+        rows_over_panels<kPanels>(xp + r0 * K, rows, K, w, bg, yu, N, cols);
       else  // an odd last panel (kPanels = 2)
-        rows_over_panels<1>(xp, M, K, w, bg, yp + first * kPanel, N, cols);
+        rows_over_panels<1>(xp + r0 * K, rows, K, w, bg, yu, N, cols);
     }
   });
   return y;

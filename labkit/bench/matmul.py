@@ -22,7 +22,7 @@ the weight bytes read per second, and GFLOP/s. At few rows the work is bound by 
     ONEDNN_MAX_CPU_ISA=AVX2 python -m labkit.bench matmul --isa avx2   # an AVX2 machine, roughly
 
 fp32 only: the panels multiply fp32 (bf16 stays on oneDNN, which has bf16 dot-product
-instructions). Random weights of the model's shapes: no checkpoint is read.
+instructions). Random weights of the model's shapes: only its config is read.
 """
 
 from __future__ import annotations
@@ -37,16 +37,28 @@ import torch
 
 from labkit.kernels import cpu_extension
 from labkit.kernels.linear_cpu import linear_panels, pack_panels
+from labkit.model.llama import ModelSpec
 
 DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
 METHODS = ("panels", "onednn", "mkl")
 
 
+def _config(model: str):
+    """The model's Hugging Face config, without its weights where it can (a hub id loads them)."""
+    from labkit.model import loader
+    if model == loader.TINY_MODEL:
+        return loader.tiny_config()
+    if model in (loader.DEFAULT_MODEL, "smollm2", "smollm2-135m-instruct"):
+        model = str(loader.fetch_default_model())
+    if os.path.isdir(os.path.expanduser(model)):
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(os.path.expanduser(model))
+    return loader.load_model(model).config
+
+
 def model_shapes(model: str) -> list[tuple[int, int]]:
     """(out_features, in_features) of every linear layer of ``model``, layer by layer, the LM head last."""
-    from labkit.model.llama import ModelSpec
-    from labkit.model.loader import TINY_MODEL, load_model, tiny_config
-    spec = ModelSpec.from_config(tiny_config() if model == TINY_MODEL else load_model(model).config)
+    spec = ModelSpec.from_config(_config(model))
     h, d = spec.hidden_size, spec.head_dim
     per_layer = [((spec.num_heads + 2 * spec.num_kv_heads) * d, h), (h, spec.num_heads * d),
                  (2 * spec.intermediate_size, h), (h, spec.intermediate_size)]

@@ -217,7 +217,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
-            return self._ext.linear_panels(x.contiguous(), self.panels, self.out_features, self.bias)
+            if x.dim() == 2:  # the model's case: [tokens, features]
+                return self._ext.linear_panels(x.contiguous(), self.panels, self.out_features, self.bias)
+            from labkit.kernels.linear_cpu import linear_panels
+            return linear_panels(self._ext, x, self.panels, self.out_features, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _onednn_runs_bf16():

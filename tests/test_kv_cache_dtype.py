@@ -257,8 +257,9 @@ def test_logits_with_a_quantized_cache_stay_within_the_pinned_tolerance(unquanti
 def test_every_backend_gives_the_same_quantized_logits(unquantized_logits, name):
     # The torch and Triton backends compute K and V with the same matmuls, so they quantize the
     # same numbers: the same bytes, the same logits to float rounding. The CPU backend's matmuls
-    # (labkit's panels in fp32, oneDNN's packed weights in bf16) round differently, and a rounding difference can move a number
-    # to the next fp8 or int8 step: it is held to the tolerance against the unquantized cache.
+    # (labkit's panels in fp32, oneDNN's packed weights in bf16) round differently, and a rounding
+    # difference can move a number to the next fp8 or int8 step: it is held to the tolerance
+    # against the unquantized cache.
     torch_logits = _teacher_forced_logits(name, "torch", steps=4)
     torch.testing.assert_close(_teacher_forced_logits(name, "triton", steps=4), torch_logits, atol=1e-4, rtol=1e-4)
     for got in (torch_logits, _teacher_forced_logits(name, "cpu", steps=4)):

@@ -331,20 +331,14 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 def _prefill_rows(ext, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                   starts: list[int], seqs: list[int], scale: float, out: torch.Tensor,
                   k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
-    """Chunks ``seqs`` through the C++ row kernel: each query row with its sequence and the
-    number of tokens it sees (its position + 1)."""
-    chunk_lens = query_start_loc[1:] - query_start_loc[:-1]
-    every_row = len(seqs) == len(starts) - 1
+    """Chunks ``seqs`` (some of the batch's sequences) through the C++ row loop: their rows
+    gathered, passed as a batch of their own, and scattered back into ``out``."""
     sel = torch.tensor(seqs)
-    row_seq = torch.repeat_interleave(sel, chunk_lens[sel])
-    rows = None if every_row else torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
-    index = torch.arange(q.shape[0]) if every_row else rows
-    row_lens = context_lens[row_seq] - chunk_lens[row_seq] + (index - query_start_loc[row_seq]) + 1
-    o = ext.paged_prefill_attention_rows((q if every_row else q[rows]).float().contiguous(), k_cache, v_cache,
-                                         block_tables.to(torch.int32).contiguous(),
-                                         row_lens.to(torch.int32).contiguous(),
-                                         row_seq.to(torch.int32).contiguous(), float(scale), k_scales, v_scales)
-    if every_row:
-        out.copy_(o)
-    else:
-        out[rows] = o.to(q.dtype)
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+    chunk_lens = (query_start_loc[1:] - query_start_loc[:-1])[sel]
+    sub_starts = F.pad(chunk_lens.cumsum(0), (1, 0)).to(torch.int32)
+    o = ext.paged_prefill_attention_chunks(q[rows].float().contiguous(), k_cache, v_cache,
+                                           block_tables[sel].to(torch.int32).contiguous(),
+                                           context_lens[sel].to(torch.int32).contiguous(), sub_starts,
+                                           float(scale), k_scales, v_scales)
+    out[rows] = o.to(q.dtype)

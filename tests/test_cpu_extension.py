@@ -208,13 +208,16 @@ def test_cpu_backend_uses_the_fused_ops_and_equals_the_torch_backend():
 
 @needs_ext
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_smollm2_row_prefill_under_pressure_equals_the_torch_backend_and_frees_every_block(mode):
-    """SmolLM2's shapes take the vectorized decode and the row-kernel prefill (where AVX-512
-    is compiled). Five prompts sharing a system prompt (prefix-cache hits), a pool of 18
-    blocks and 64-token chunks (chunked prefill, a preemption): greedy tokens equal the torch
-    backend's; then n=3 with a stop string, and an abort mid-request; every block ends free."""
+@pytest.mark.parametrize("mode,policy", [("recompute", "continuous"), ("swap", "continuous"),
+                                         ("recompute", "static")])
+def test_smollm2_row_prefill_under_pressure_equals_the_torch_backend_and_frees_every_block(mode, policy):
+    """SmolLM2's shapes take the vectorized decode, the row-loop prefill and (fp32 on a SIMD
+    build) the linear layers on panels. Five prompts sharing a system prompt (prefix-cache
+    hits), a pool of 18 blocks and 64-token chunks (chunked prefill, a preemption where the
+    policy preempts): greedy tokens equal the torch backend's; then n=3 with a stop string,
+    and an abort mid-request; every block ends free. Both policies."""
     from labkit import LLM, SamplingParams
+    from labkit.model.llama import linear_layout
     system = "You are a careful assistant who answers in one short paragraph. " * 6
     prompts = [system + q for q in ("What is paging?", "Explain a block table.", "Why copy on write?",
                                     "What is preemption?", "Define prefill.")]
@@ -222,12 +225,23 @@ def test_smollm2_row_prefill_under_pressure_equals_the_torch_backend_and_frees_e
     ref = LLM(num_blocks=400, attention_backend="torch", enable_prefix_caching=False)
     expect = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy, use_tqdm=False)]
     llm = LLM(num_blocks=18, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="cpu",
-              preemption_mode=mode)
+              preemption_mode=mode, policy=policy)
+    assert llm.runner.linear_layout == linear_layout(torch.device("cpu"), torch.float32)[0]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expect
-    assert llm.stats()["num_preemptions"] >= 1
-    outs = llm.generate(prompts[:2], SamplingParams(n=3, max_tokens=30, temperature=0.8, seed=1, stop=["."]),
-                        use_tqdm=False)
-    assert all(len(o.outputs) == 3 for o in outs)
+    if policy == "continuous":
+        assert llm.stats()["num_preemptions"] >= 1
+    sampled = SamplingParams(n=3, max_tokens=30, temperature=0.8, seed=1, stop=["."])
+    if policy == "continuous":
+        outs = llm.generate(prompts[:2], sampled, use_tqdm=False)
+        assert all(len(o.outputs) == 3 for o in outs)
+        assert all("." not in c.text for o in outs for c in o.outputs)         # cut before the stop string
+    else:  # the baseline refuses n > 1 by name and goes on serving
+        with pytest.warns(UserWarning, match="the static baseline serves n=1 only"):
+            outs = llm.generate(prompts[:2], sampled, use_tqdm=False)
+        assert all(o.outputs[0].finish_reason == "error" for o in outs)
+        outs = llm.generate(prompts[:2], SamplingParams(max_tokens=30, temperature=0.8, seed=1, stop=["."]),
+                            use_tqdm=False)
+        assert all(o.outputs[0].token_ids and "." not in o.outputs[0].text for o in outs)
     request = llm.engine.add_request(ref.runner.tokenizer.encode(prompts[0]), SamplingParams(max_tokens=50))
     for _ in range(3):
         llm.engine.step()

@@ -269,8 +269,6 @@ def linear_layout(device: torch.device, dtype: torch.dtype) -> tuple[str | None,
     if device.type == "cpu" and dtype == torch.float32 and wanted != "onednn":
         from labkit.kernels import cpu_extension
         ext = cpu_extension.load()
-        if ext is not None and not hasattr(ext, "linear_panels"):
-            ext = None
     if wanted == "panels":
         if ext is None:
             raise ValueError("LABKIT_CPU_LINEAR=panels needs fp32 on a CPU and labkit's C++ kernels "

@@ -230,8 +230,7 @@ class ModelRunner:
         # loop on panels in fp32, oneDNN's packed weights in bf16). The "torch" backend keeps
         # the plain ones, the reference chapters 5 and 6 read.
         layout, ext = linear_layout(self.device, dtype) if self.attention_backend == "cpu" else (None, None)
-        self.linear_layout = layout
-        self.packed_linears = layout is not None
+        self.linear_layout = layout  # "panels", "onednn", or None: plain weights
         if layout is not None:
             self.model.pack_linears(layout, ext)
             self.attention_backend_reason += ("; matmuls by labkit's C++ loop on weights packed in panels"
@@ -245,6 +244,11 @@ class ModelRunner:
                                             self.kv_cache_dtype, self.device)
         self.num_blocks = self.kv_cache.num_blocks
         self.load_time_s = time.perf_counter() - t0
+
+    @property
+    def packed_linears(self) -> bool:
+        """Whether the linear layers run on packed weights (either layout)."""
+        return self.linear_layout is not None
 
     # -----------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -6,7 +6,7 @@
 // dispatch. Production engines fuse them (vLLM's CPU build: rotary_embedding,
 // reshape_and_cache, fused_add_rms_norm, silu_and_mul). These are the same maths as the
 // readable versions in labkit/model/llama.py, computed in fp32 whatever the storage dtype
-// (fp32 or bf16), on torch's thread pool.
+// (fp32 or bf16), on torch's thread pool, rows handed out as threads ask for them (parallel.h).
 
 // ATen's own headers, not <torch/extension.h>: these kernels need tensors, two factory
 // functions and the thread pool, not pybind11 and torch's Python API (bindings.cpp alone
@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "parallel.h"
 #include "vec.h"
 
 // Every loop below walks a row 16 elements at a time over vec::Vec16 (vec.h: AVX-512, AVX2 or
@@ -67,7 +68,7 @@ void rope_and_cache_impl(const at::Tensor& qkv, const at::Tensor& cos, const at:
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  labkit::parallel_chunks(n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xt = x + t * row;
       const float* ct = c + t * half;
@@ -92,7 +93,7 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor* delta, const at::T
   const T* w = ptr<T>(weight);
   T* op = ptr<T>(out);
   const float e = float(eps);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  labkit::parallel_chunks(n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* xt = xp + t * h;
       const T* rt = rp ? rp + t * h : nullptr;
@@ -125,7 +126,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const T* xp = ptr<T>(x);
   T* op = ptr<T>(out);
   const Vec16 one = Vec16::all(1.f);
-  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+  labkit::parallel_chunks(n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = xp + t * 2 * inter;
       const T* up = gate + inter;

@@ -19,9 +19,10 @@
 // broadcast serves P panels. AVX-512 has 32 registers: 8 rows x 2 panels = 16 accumulators;
 // AVX2's Vec16 is two of its 16 registers: 6 rows x 1 panel = 12 of them.
 //
-// Work is split over threads by panels (at::parallel_for, torch's own thread pool, the one
-// its other ops use): each thread streams its share of the weights once and, for a long x
-// (a prefill), runs every row tile over a panel while the panel is in its L2 cache. Where a
+// Work is split over threads by panels, on torch's own thread pool (the one its other ops use),
+// each thread taking the next group of panels when it is free (parallel.h). A thread streams
+// the weights of its panels once and, for a long x (a prefill), runs every row tile over a
+// panel while the panel is in its L2 cache. Where a
 // matrix has too few panels to keep every thread busy (a many-core machine, a narrow layer)
 // and x has rows to spare, the rows are split into blocks too, each block of a panel group one
 // unit of work.
@@ -40,6 +41,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "parallel.h"
 #include "vec.h"
 
 namespace {
@@ -138,8 +140,10 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
   const int64_t tiles = (M + kRows - 1) / kRows;
   const int64_t row_blocks = groups >= want ? 1 : std::min(tiles, (want + groups - 1) / groups);
   const int64_t block_rows = (tiles + row_blocks - 1) / row_blocks * kRows;
-  at::parallel_for(0, groups * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {  // consecutive units: one panel group's row blocks
+  // Units go to whichever thread asks next (parallel.h), one at a time, in order: one panel
+  // group's row blocks, then the next group's.
+  labkit::parallel_chunks(groups * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
       const int64_t first = (u / row_blocks) * kPanels, r0 = (u % row_blocks) * block_rows;
       const int64_t rows = std::min(block_rows, M - r0);
       if (rows <= 0) continue;

@@ -62,7 +62,8 @@ from types import ModuleType
 from labkit.utils import Stopwatch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "fused_ops.cpp", "linear.cpp", "bindings.cpp"))
+SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp",
+                                         "linear.cpp", "bindings.cpp"))
 # Measured, one build on an empty cache, 2 idle cores (AMD EPYC with AVX-512), 2026-12-04: avx512
 # 45 s (75 s of CPU time), avx2 53 s (83 s), portable 62 s (92 s). Before the kernel files
 # included ATen's headers instead of <torch/extension.h>, the same machine and day: 117 s of CPU

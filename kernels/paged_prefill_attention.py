@@ -243,25 +243,29 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
-# Chunks whose whole context is at most this many tokens take the C++ row kernel (where it
-# runs vectorized); longer ones take SDPA. Measured on the 2-core Zen 4, SmolLM2's 9/3 heads
-# of 64, one chunk, rows vs SDPA: 0.25 vs 0.44 ms at 128 tokens, 1.17 vs 2.02 at 286, 3.3 vs
-# 4.2 at 512, 13.5 vs 12.8 at 1024 (fp32): a row re-reads its context, which stops fitting
-# in L2 past about a thousand tokens; SDPA's tiles reuse it.
-ROWS_MAX_CONTEXT = 768
-# The cache dtypes the C++ loop reads (csrc/paged_decode_attention.cpp): fp32, bf16, and the
-# quantized int8 and fp8 (e4m3), dequantized in its inner loop.
+# Chunks whose whole context is at most this many tokens take the C++ tiles
+# (csrc/prefill_attention.cpp); longer ones take SDPA. Measured on a 2-core Intel Xeon
+# (AVX-512), SmolLM2's 9/3 heads of 64, fp32, one fresh chunk, tiles vs SDPA: 8.1 vs 15.2 ms at
+# 1024 tokens, 38.7 vs 45.2 at 2048; a 512-token chunk after 3584 cached tokens 48.2 vs 45.2:
+# each row's scores are kept whole (8 rows x the context, 128 KB at 4096 tokens), and SDPA's
+# online softmax over tiles of keys wins once they stop fitting in L2.
+TILES_MAX_CONTEXT = 2048
+# The cache dtypes the C++ loops read (csrc/paged_decode_attention.cpp, prefill_attention.cpp):
+# fp32, bf16, and the quantized int8 and fp8 (e4m3), dequantized as they are read.
 CPP_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
-def _row_kernel(q: torch.Tensor, k_cache: torch.Tensor):
-    """The compiled module when prefill rows run vectorized here (AVX-512, these shapes), else None."""
+def _tile_kernel(q: torch.Tensor, k_cache: torch.Tensor):
+    """The compiled module when prefill tiles run vectorized here (an AVX-512 or AVX2 build,
+    head sizes a multiple of 16 up to 128), else None."""
     if q.device.type != "cpu" or k_cache.dtype not in CPP_CACHE_DTYPES:
+        return None
+    head_dim = q.shape[2]
+    if head_dim % 16 or head_dim > 128 or q.shape[1] % k_cache.shape[2]:
         return None
     from . import cpu_extension
     ext = cpu_extension.load()
-    group = q.shape[1] // k_cache.shape[2]
-    if ext is None or not (ext.supports(q.shape[2], group, k_cache.shape[1]) and ext.vectorized(q.shape[2], group)):
+    if ext is None or ext.isa() == "portable":
         return None
     return ext
 
@@ -273,12 +277,13 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU backend's prefill (same arguments and result as the reference).
 
-    * **Short contexts** (at most ``ROWS_MAX_CONTEXT`` tokens, where the C++ kernels run
-      vectorized): every query row of every such chunk, in one call of the decode loop
-      (``kernels/csrc/paged_decode_attention.cpp``). Row ``j`` of a chunk is a decode query
-      over the first ``context_lens[i] - L_i + j + 1`` tokens of its sequence: exactly the
-      causal mask, whatever came before the chunk (a cached prefix, earlier chunks), read in
-      place from the cache, no gather, only the causal half computed.
+    * **Contexts of at most** ``TILES_MAX_CONTEXT`` **tokens** (where the C++ kernels run
+      vectorized): every such chunk in one call of the tiled loop
+      (``kernels/csrc/prefill_attention.cpp``). Row ``j`` of a chunk attends to the first
+      ``context_lens[i] - L_i + j + 1`` tokens of its sequence: exactly the causal mask,
+      whatever came before the chunk (a cached prefix, earlier chunks). Eight rows at a time
+      multiply their queries with each key panel (scores), take an exact softmax per row, and
+      multiply-add the values read in place from the cache; only the causal part is computed.
     * **Otherwise**, each chunk takes one fused ``scaled_dot_product_attention(...,
       enable_gqa=True)`` call over its own context, gathered once from the cache ([1, heads,
       tokens, d], 4-d: with 3-d inputs torch takes its slow unfused path, 3x here). A
@@ -287,13 +292,13 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
       follows earlier tokens sees all of them and itself causally: query ``i`` at position
       ``ctx - n + i`` attends to keys ``j <= ctx - n + i``, an explicit boolean mask.
 
-    A quantized cache (int8, fp8: ``kv_quant.py``): the C++ loop dequantizes in its inner
-    loop; the SDPA path gathers the chunk's context dequantized.
+    A quantized cache (int8, fp8: ``kv_quant.py``): the C++ loop dequantizes as it reads;
+    the SDPA path gathers the chunk's context dequantized.
     """
     check_attention_inputs(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scales, v_scales)
-    ext = _row_kernel(q, k_cache)
-    if ext is not None and context_lens.numel() and int(context_lens.max()) <= ROWS_MAX_CONTEXT:  # the common case
-        return ext.paged_prefill_attention_chunks(
+    ext = _tile_kernel(q, k_cache)
+    if ext is not None and context_lens.numel() and int(context_lens.max()) <= TILES_MAX_CONTEXT:  # the common case
+        return ext.paged_prefill_attention_tiles(
             q.float().contiguous(), k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
             context_lens.to(torch.int32).contiguous(), query_start_loc.to(torch.int32).contiguous(), float(scale),
             k_scales, v_scales).to(q.dtype)
@@ -302,10 +307,10 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     num_seqs = len(ctx)
     long_seqs = range(num_seqs)
     if ext is not None:
-        short = [i for i in range(num_seqs) if ctx[i] <= ROWS_MAX_CONTEXT and starts[i + 1] > starts[i]]
-        long_seqs = [i for i in range(num_seqs) if ctx[i] > ROWS_MAX_CONTEXT]
+        short = [i for i in range(num_seqs) if ctx[i] <= TILES_MAX_CONTEXT and starts[i + 1] > starts[i]]
+        long_seqs = [i for i in range(num_seqs) if ctx[i] > TILES_MAX_CONTEXT]
         if short:
-            _prefill_rows(ext, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+            _prefill_tiles(ext, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                           starts, short, scale, out, k_scales, v_scales)
     dtype = reference_compute_dtype(q)
     for i in long_seqs:
@@ -328,17 +333,17 @@ def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
-def _prefill_rows(ext, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-                  starts: list[int], seqs: list[int], scale: float, out: torch.Tensor,
-                  k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
-    """Chunks ``seqs`` (some of the batch's sequences) through the C++ row loop: their rows
+def _prefill_tiles(ext, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                   starts: list[int], seqs: list[int], scale: float, out: torch.Tensor,
+                   k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
+    """Chunks ``seqs`` (some of the batch's sequences) through the C++ tiles: their rows
     gathered, passed as a batch of their own, and scattered back into ``out``."""
     sel = torch.tensor(seqs)
     rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
     chunk_lens = (query_start_loc[1:] - query_start_loc[:-1])[sel]
     sub_starts = F.pad(chunk_lens.cumsum(0), (1, 0)).to(torch.int32)
-    o = ext.paged_prefill_attention_chunks(q[rows].float().contiguous(), k_cache, v_cache,
-                                           block_tables[sel].to(torch.int32).contiguous(),
-                                           context_lens[sel].to(torch.int32).contiguous(), sub_starts,
-                                           float(scale), k_scales, v_scales)
+    o = ext.paged_prefill_attention_tiles(q[rows].float().contiguous(), k_cache, v_cache,
+                                          block_tables[sel].to(torch.int32).contiguous(),
+                                          context_lens[sel].to(torch.int32).contiguous(), sub_starts,
+                                          float(scale), k_scales, v_scales)
     out[rows] = o.to(q.dtype)

@@ -118,3 +118,29 @@ def test_the_breakdown_runs_offline_and_online_on_a_tiny_model():
 def test_vllms_client_is_found_where_vllm_is():
     python, version = vllm_port.find_python()
     assert os.access(python, os.X_OK) and version
+
+
+def test_another_checkout_runs_with_its_own_kernels(tmp_path):
+    """``--labkit-src DIR`` (and ``python -m labkit.bench.checkout DIR MODULE``) runs DIR's
+    labkit: its Python package and its ``kernels/`` as ``labkit.kernels`` (which only an install
+    maps), not this checkout's editable kernels."""
+    (tmp_path / "labkit").mkdir()
+    (tmp_path / "labkit" / "__init__.py").write_text("")
+    (tmp_path / "labkit" / "__main__.py").write_text(
+        "import sys, labkit, labkit.kernels, labkit.kernels.part\n"
+        "print(labkit.__file__, labkit.kernels.__file__, labkit.kernels.part.WHO, sys.argv[1:], sep='|')\n")
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    (tmp_path / "kernels" / "part.py").write_text("WHO = 'the other checkout'\n")
+    for cmd in ([*http_vllm.labkit_command(str(tmp_path)), "serve", "--port", "1"],
+                [sys.executable, "-m", "labkit.bench.checkout", str(tmp_path), "labkit", "serve", "--port", "1"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        package, kernels, who, argv = proc.stdout.strip().split("|")
+        assert package == str(tmp_path / "labkit" / "__init__.py")
+        assert kernels == str(tmp_path / "kernels" / "__init__.py") and who == "the other checkout"
+        assert argv == "['serve', '--port', '1']"
+    assert http_vllm.labkit_command() == [sys.executable, "-m", "labkit"]
+    proc = subprocess.run([sys.executable, "-m", "labkit.bench.checkout", str(tmp_path / "labkit"), "labkit"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "not a labkit checkout" in proc.stderr

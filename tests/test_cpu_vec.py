@@ -122,21 +122,45 @@ def test_prefill_rows_are_causal_attention_over_each_rows_prefix(ext, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_chunks_are_the_rows_of_their_chunks(ext, dtype):
-    """paged_prefill_attention_chunks works out each row's sequence and length itself: the
-    same output as the rows entry given them, for a fresh prompt, a chunk after a prefix, an
-    empty chunk and a one-token chunk; and a chunk longer than its context is refused."""
-    q, k, v, tables, lens = _paged([37, 23 + 14, 9, 41], 16, 3, 64, 9, dtype, seed=7)
-    chunks = [(0, 37), (23, 14), (9, 0), (40, 1)]
-    starts = torch.tensor([0, 37, 51, 51, 52], dtype=torch.int32)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 16, 2), (32, 6, 1), (16, 4, 4)])
+def test_prefill_tiles_are_the_rows_of_their_chunks(ext, dtype, head_dim, heads, kv_heads):
+    """paged_prefill_attention_tiles (csrc/prefill_attention.cpp) works out each row's sequence
+    and length itself: the rows entry's output given them (within float rounding: the tiles sum
+    in another order), and the reference's, for a fresh prompt, a chunk after a prefix, an empty
+    chunk, a one-token chunk and a 17-row chunk (a tile and a row past it); a chunk longer than
+    its context is refused."""
+    q, k, v, tables, lens = _paged([37, 23 + 14, 9, 41, 100], 16, kv_heads, head_dim, heads, dtype, seed=7)
+    chunks = [(0, 37), (23, 14), (9, 0), (40, 1), (83, 17)]
+    starts = torch.tensor([0, 37, 51, 51, 52, 69], dtype=torch.int32)
     row_seq = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, (_, n) in enumerate(chunks)])
     row_lens = torch.cat([torch.arange(p + 1, p + n + 1, dtype=torch.int32) for p, n in chunks])
-    qr = torch.randn(len(row_seq), 9, 64, generator=torch.Generator().manual_seed(8))
-    out = ext.paged_prefill_attention_chunks(qr, k, v, tables, lens, starts, 0.2)
-    assert torch.equal(out, ext.paged_prefill_attention_rows(qr, k, v, tables, row_lens, row_seq, 0.2))
+    qr = torch.randn(len(row_seq), heads, head_dim, generator=torch.Generator().manual_seed(8))
+    out = ext.paged_prefill_attention_tiles(qr, k, v, tables, lens, starts, 0.2)
+    torch.testing.assert_close(out, ext.paged_prefill_attention_rows(qr, k, v, tables, row_lens, row_seq, 0.2),
+                               atol=1e-5, rtol=2e-5)
+    torch.testing.assert_close(out, _reference(qr, k, v, tables[row_seq.long()], row_lens, 0.2), atol=2e-5, rtol=2e-5)
     with pytest.raises(RuntimeError, match="sequence 2: a chunk of 10 rows in a context of 9"):
-        ext.paged_prefill_attention_chunks(torch.randn(62, 9, 64), k, v, tables, lens,
-                                           torch.tensor([0, 37, 51, 61, 62], dtype=torch.int32), 0.2)
+        ext.paged_prefill_attention_tiles(torch.randn(79, heads, head_dim), k, v, tables, lens,
+                                          torch.tensor([0, 37, 51, 61, 62, 79], dtype=torch.int32), 0.2)
+
+
+def test_prefill_tiles_do_not_depend_on_the_batch_or_the_chunking(ext):
+    """A row's attention is the same bits whichever tile, chunk or batch it falls in (the CPU
+    backend's logits are batch-invariant): a 45-token prompt's rows, computed as one chunk
+    alone, beside two other sequences, and as chunks of 20 + 25 and 1 + 44 tokens."""
+    q, k, v, tables, lens = _paged([45, 30, 70], 16, 3, 64, 9, torch.float32, seed=11)
+    qs = torch.randn(45 + 30 + 70, 9, 64, generator=torch.Generator().manual_seed(12))
+
+    def run(seqs, chunk):   # rows [a, b) of each sequence in seqs, as one call
+        rows = torch.cat([qs[sum([45, 30, 70][:s]) + a:sum([45, 30, 70][:s]) + b] for s, (a, b) in zip(seqs, chunk)])
+        starts = torch.tensor([0] + list(torch.tensor([b - a for a, b in chunk]).cumsum(0)), dtype=torch.int32)
+        ctx = torch.tensor([b for _, b in chunk], dtype=torch.int32)
+        return ext.paged_prefill_attention_tiles(rows, k, v, tables[list(seqs)], ctx, starts, 0.125)
+
+    alone = run([0], [(0, 45)])
+    assert torch.equal(run([1, 0, 2], [(0, 30), (0, 45), (0, 70)])[30:75], alone)
+    assert torch.equal(torch.cat([run([0], [(0, 20)]), run([0], [(20, 45)])]), alone)
+    assert torch.equal(torch.cat([run([0], [(0, 1)]), run([2, 0], [(0, 70), (1, 45)])[70:]]), alone)
 
 
 QUANTIZED = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]
@@ -147,8 +171,9 @@ QUANTIZED = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_decode_and_prefill_rows_read_a_quantized_cache(ext, qdtype, head_dim, heads, kv_heads, block_size):
     """int8 and fp8 bytes widened in the inner loop, K's scale on each score, V's on each
-    weight: the reference over the dequantized cache. The blocks no sequence owns hold NaN,
-    so their scales are NaN: a kernel that reads one poisons its output."""
+    weight (the tiles: K's on each key as it is packed): the reference over the dequantized
+    cache. The blocks no sequence owns hold NaN, so their scales are NaN: a kernel that reads
+    one poisons its output."""
     lens = [1, 7, block_size, block_size + 1, 97]
     q, k, v, tables, lens = _paged(lens, block_size, kv_heads, head_dim, heads, torch.float32)
     (kq, ks), (vq, vs) = quantize(k * 3, qdtype), quantize(v, qdtype)
@@ -160,6 +185,15 @@ def test_decode_and_prefill_rows_read_a_quantized_cache(ext, qdtype, head_dim, h
     rows = ext.paged_prefill_attention_rows(q[row_seq.long()], kq, vq, tables, row_lens, row_seq, 0.3, ks, vs)
     expect = _reference(q[row_seq.long()], kd, vd, tables[row_seq.long()], row_lens, 0.3)
     torch.testing.assert_close(rows, expect, atol=2e-5, rtol=2e-5)
+    # the same rows as chunks for the tiles: sequence 4's last 48 rows, 2's last, 1's first 3
+    sel = torch.tensor([4, 2, 1])
+    starts = torch.tensor([0, 48, 49, 52], dtype=torch.int32)
+    ctx = torch.tensor([97, block_size, 3], dtype=torch.int32)
+    chunk_q = torch.cat([q[[4] * 48], q[[2]], q[[1] * 3]])
+    tiles = ext.paged_prefill_attention_tiles(chunk_q, kq, vq, tables[sel], ctx, starts, 0.3, ks, vs)
+    tile_lens = torch.cat([torch.arange(50, 98), torch.tensor([block_size]), torch.arange(1, 4)]).to(torch.int32)
+    expect = _reference(chunk_q, kd, vd, tables[sel.repeat_interleave(torch.tensor([48, 1, 3]))], tile_lens, 0.3)
+    torch.testing.assert_close(tiles, expect, atol=2e-5, rtol=2e-5)
 
 
 def test_every_fp8_byte_reads_as_torch_converts_it(ext):
@@ -380,11 +414,14 @@ def test_bench_times_every_isa_in_turn(capsys):
 
 # ---- linear layers on panels (csrc/linear.cpp) -------------------------------------------
 
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (17, 5), (33, 64), (1, 3), (48, 16)])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(960, 576), (576, 1536), (17, 5), (33, 64), (1, 3), (48, 16), (70, 24), (100, 24)])
 def test_linear_panels_equal_f_linear_for_every_row_count(ext, out_features, in_features):
-    """Every remainder of the row tiles (1-7 rows past a multiple of 8 or 6), a panel count that
-    is odd and one whose last panel is padding, with and without a bias, against F.linear in
-    float64; and the same bits whatever the number of rows (batch invariance)."""
+    """Every remainder of the row tiles (1-7 rows past a multiple of 8 or 6), panel counts that
+    leave a last group of 1, 2 or 3 panels (groups of 3 on AVX-512) and one whose last panel is
+    padding, x in one row block and in several (135 rows of 576 or 1536 floats pass 256 KB),
+    with and without a bias, against F.linear in float64; and the same bits whatever the number
+    of rows (batch invariance)."""
     from labkit.kernels.linear_cpu import linear_panels, pack_panels
     g = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=g)
@@ -399,3 +436,40 @@ def test_linear_panels_equal_f_linear_for_every_row_count(ext, out_features, in_
             part = linear_panels(ext, x[:m], panels, out_features, b)
             assert part.shape == (m, out_features)
             assert torch.equal(part, full[:m]), f"{m} rows differ from the same rows among 135"
+
+
+@pytest.mark.parametrize("inter,in_features,rows", [(1536, 576, 135), (48, 24, 17), (16, 5, 3), (80, 64, 1100)])
+def test_fused_swiglu_is_the_matmul_then_silu_and_mul_bit_for_bit(ext, inter, in_features, rows):
+    """linear_panels_silu_mul (gate/up and SiLU * up in one pass) gives the bits of linear_panels
+    followed by silu_and_mul, with and without a bias, for gate groups of 3, 1 and 5 panels and
+    x in one row block or ten; and their float64 reference. A width that is not whole panels
+    for gate and up is refused."""
+    from labkit.kernels.linear_cpu import linear_panels, pack_panels
+    g = torch.Generator().manual_seed(inter)
+    w = torch.randn(2 * inter, in_features, generator=g) / in_features ** 0.5
+    bias = torch.randn(2 * inter, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    panels = pack_panels(w)
+    for b in (None, bias):
+        fused = ext.linear_panels_silu_mul(x, panels, 2 * inter, b)
+        assert torch.equal(fused, ext.silu_and_mul(linear_panels(ext, x, panels, 2 * inter, b)))
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(fused.double(), F.silu(ref[:, :inter]) * ref[:, inter:], atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ext.linear_panels_silu_mul(x, pack_panels(torch.randn(40, in_features)), 40, None)
+
+
+def test_linear_panels_row_blocks_of_a_long_prefill(ext):
+    """A prefill's x is cut into row blocks that each fit in L2 (linear.cpp, kBlockBytes): 1100
+    rows of 576 floats are ten blocks. Every row equals the reference, and the same row computed
+    in a batch of 3 (one block), bit for bit, wherever the block boundaries fall."""
+    from labkit.kernels.linear_cpu import linear_panels, pack_panels
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(200, 576, generator=g), torch.randn(200, generator=g)
+    x = torch.randn(1100, 576, generator=g)
+    panels = pack_panels(w)
+    full = linear_panels(ext, x, panels, 200, b)
+    torch.testing.assert_close(full.double(), F.linear(x.double(), w.double(), b.double()),
+                               atol=2e-5 * 576 ** 0.5, rtol=1e-5)
+    for r in range(0, 1100 - 3, 97):
+        assert torch.equal(linear_panels(ext, x[r:r + 3], panels, 200, b), full[r:r + 3]), f"rows {r}-{r + 2}"

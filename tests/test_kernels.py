@@ -743,6 +743,51 @@ def test_bench_step_smoke(capsys):
         assert 0 < result[f"{step}_attention_s"] < result[f"{step}_s"]
 
 
+def test_bench_step_times_a_wave_of_prompts(capsys):
+    """``--prompts N``: the prefill step holds N fresh prompts (a class's wave of requests), its
+    rate counts all their tokens, and the --ops tables say so."""
+    import json
+
+    from labkit.bench.step import main
+    args = ["--model", "tiny-llama", "--batch", "2", "--context", "20", "--prefill", "16", "--repeats", "1"]
+    assert main(args + ["--prompts", "3"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prefill_prompts"] == 3 and r["prefill_tokens"] == 16
+    from labkit.bench.step import ModelRunner, step_timings
+    t = step_timings(ModelRunner("tiny-llama", num_blocks=16), batch=2, context=20, prefill=16, repeats=1, prompts=3)
+    assert t["prefill_tok_per_s"] == pytest.approx(3 * 16 / t["prefill_s"])
+    assert main(args + ["--prompts", "3", "--markdown"]) == 0
+    assert "prefill step, 3 16-token prompts" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--prompts must be at least 1"):
+        main(args + ["--prompts", "0"])
+
+
+def test_bench_prefill_times_every_method_on_each_shape(capsys):
+    """``python -m labkit.bench prefill``: the C++ tiles, the row loop, SDPA and the reference on
+    fresh prompts and on a chunk after cached tokens; GFLOP/s from the causal work; a shape it
+    cannot read is refused by name."""
+    import json
+
+    from labkit.bench.prefill import causal_flops, main, parse_shape
+    from labkit.kernels import cpu_extension
+    assert parse_shape("2x16") == [(0, 16), (0, 16)] and parse_shape("8@24") == [(24, 8)]
+    assert causal_flops([(0, 2), (3, 1)], heads=1, head_dim=1) == 4 * (1 + 2 + 4)
+    if cpu_extension.load() is None:
+        pytest.skip(f"labkit's C++ kernels are not built here: {cpu_extension.status()[1]}")
+    args = ["--shapes", "2x16", "8@24", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--repeats", "1"]
+    assert main(args + ["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert list(r["shapes"]) == ["2x16", "8@24"]
+    for row in r["shapes"].values():
+        assert set(row) == {"tiles", "rows", "sdpa", "reference"}
+        assert all(m["ms"] > 0 and m["gflop_per_s"] > 0 and m["model_ms"] == pytest.approx(30 * m["ms"], abs=0.1)
+                   for m in row.values())
+    assert main(args) == 0
+    assert "| 8@24 |" in capsys.readouterr().out
+    assert main(["--shapes", "8by128"]) == 2
+    assert "shape '8by128'" in capsys.readouterr().err
+
+
 def test_references_work_inside_and_outside_inference_mode():
     # The engine runs under torch.inference_mode; the CPU workspace a reference caches there
     # must not break a later call outside it (inference tensors cannot be written outside).
@@ -901,21 +946,21 @@ from labkit.kernels.paged_prefill_attention import paged_prefill_attention_cpu  
        seed=st.integers(0, 2**16), rows_max_context=st.sampled_from([0, 20, 10_000]))
 def test_cpu_prefill_matches_naive_on_mixed_batches(block_size, kv_heads, group, head_dim, chunks, seed,
                                                     rows_max_context):
-    """Short contexts take the C++ row kernel (where it runs vectorized), the others SDPA
+    """Short contexts take the C++ tiles (where they run vectorized), the others SDPA
     (causal for fresh prompts, masked after earlier tokens), in one call: the result is the
     naive attention whatever the mix (prefix hits, one-token chunks, NaN in every slot
     nobody owns). ``rows_max_context`` moves the line between the two paths: none, some,
-    all of the chunks on the row kernel."""
+    all of the chunks on the tiles."""
     prefill = sys.modules[paged_prefill_attention_cpu.__module__]  # the module, not the function it exports
     num_heads = kv_heads * group
     q, k_cache, v_cache, tables, lens, starts, chunk_lens = make_prefill_batch(
         block_size, num_heads, kv_heads, head_dim, chunks, seed=seed)
     scale = head_dim ** -0.5
-    saved, prefill.ROWS_MAX_CONTEXT = prefill.ROWS_MAX_CONTEXT, rows_max_context
+    saved, prefill.TILES_MAX_CONTEXT = prefill.TILES_MAX_CONTEXT, rows_max_context
     try:
         out = paged_prefill_attention_cpu(q, k_cache, v_cache, tables, lens, starts, scale)
     finally:
-        prefill.ROWS_MAX_CONTEXT = saved
+        prefill.TILES_MAX_CONTEXT = saved
     expect = naive_attention(q, k_cache, v_cache, tables, lens, chunk_lens, scale)
     torch.testing.assert_close(out.double(), expect, **TOL[torch.float32])
 

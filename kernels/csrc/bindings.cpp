@@ -13,11 +13,11 @@ at::Tensor paged_prefill_attention_rows(const at::Tensor& q, const at::Tensor& k
                                         const at::Tensor& row_seq, double scale,
                                         const c10::optional<at::Tensor>& k_scales,
                                         const c10::optional<at::Tensor>& v_scales);
-at::Tensor paged_prefill_attention_chunks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                          const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                          const at::Tensor& query_start_loc, double scale,
-                                          const c10::optional<at::Tensor>& k_scales,
-                                          const c10::optional<at::Tensor>& v_scales);
+at::Tensor paged_prefill_attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                         const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                         const at::Tensor& query_start_loc, double scale,
+                                         const c10::optional<at::Tensor>& k_scales,
+                                         const c10::optional<at::Tensor>& v_scales);
 
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
@@ -27,6 +27,8 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor vec_exp(const at::Tensor& x);
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
+at::Tensor linear_panels_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                                  const c10::optional<at::Tensor>& bias);
 
 // The matmul and the attention loops run without the GIL, as torch's own ops (oneDNN's linear
 // included) do: in `labkit serve` the engine steps on a thread of its own, and the event loop
@@ -52,8 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("row_lens"),
         py::arg("row_seq"), py::arg("scale"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
         release_gil());
-  m.def("paged_prefill_attention_chunks", &paged_prefill_attention_chunks,
-        "prefill chunks, every row: sequence i's rows query_start_loc[i]:query_start_loc[i + 1], causally",
+  m.def("paged_prefill_attention_tiles", &paged_prefill_attention_tiles,
+        "prefill chunks in tiles of 8 rows (prefill_attention.cpp): sequence i's rows "
+        "query_start_loc[i]:query_start_loc[i + 1], causally over its cache",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("k_scales") = py::none(),
         py::arg("v_scales") = py::none(), release_gil());
@@ -63,6 +66,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate | up]");
   m.def("linear_panels", &linear_panels,
         "y = x W^T + b for fp32 x [M, K] and W packed in panels [ceil(N / 16), K, 16] (kernels/linear_cpu.py)",
+        py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none(), release_gil());
+  m.def("linear_panels_silu_mul", &linear_panels_silu_mul,
+        "silu(x Wg^T + bg) * (x Wu^T + bu) for W = [gate | up] packed in panels (out_features = 2 * inter, "
+        "inter a multiple of 16): SwiGLU's gate/up projection and activation in one pass",
         py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none(), release_gil());
   m.def("vec_exp", &vec_exp, "exp of an fp32 tensor by the kernels' vector exp (for testing its accuracy)");
 }

@@ -125,16 +125,13 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t n = x.size(0), inter = out.size(1);
   const T* xp = ptr<T>(x);
   T* op = ptr<T>(out);
-  const Vec16 one = Vec16::all(1.f);
   labkit::parallel_chunks(n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = xp + t * 2 * inter;
       const T* up = gate + inter;
       T* ot = op + t * inter;
-      // silu(g) = g / (1 + exp(-g)): for g << 0 exp(-g) is huge (or infinite), and the quotient 0
       for_each_vector(inter, [&](int64_t i, int n) {
-        const Vec16 g = vec::load(gate + i, n);
-        vec::store(g / (one + vec::exp(Vec16::zero() - g)) * vec::load(up + i, n), ot + i, n);
+        vec::store(vec::silu(vec::load(gate + i, n)) * vec::load(up + i, n), ot + i, n);
       });
     }
   });

@@ -403,7 +403,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // Prefill as independent query rows: row r of q attends to the first row_lens[r] tokens of
 // sequence row_seq[r] (its block table row), i.e. causally up to its own position. Rows of
 // one chunk are consecutive. The same loop as decode, one query row at a time; it computes
-// only the causal half and reads the cache in place, no gather.
+// only the causal half and reads the cache in place, no gather. The simplest correct prefill
+// on the paged cache; the CPU backend runs prefill_attention.cpp's tiles, which share each key
+// among eight rows (1.8x faster), and its tests check the tiles against these rows.
 at::Tensor paged_prefill_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                         const at::Tensor& block_tables, const at::Tensor& row_lens,
                                         const at::Tensor& row_seq, double scale,
@@ -414,40 +416,4 @@ at::Tensor paged_prefill_attention_rows(const at::Tensor& q, const at::Tensor& k
               "row_seq and row_lens must be contiguous int32, one per query row");
   return attend_rows(q, k_cache, v_cache, block_tables, row_lens, row_seq.data_ptr<int32_t>(), scale, k_scales,
                      v_scales);
-}
-
-// Prefill chunks, every row of every chunk: sequence i's rows are query_start_loc[i] ..
-// query_start_loc[i + 1] - 1, and its row j sees the first context_lens[i] - L_i + j + 1 tokens
-// (L_i its chunk's length: the context includes the chunk). The same rows as
-// paged_prefill_attention_rows, their sequence and length worked out here, once per call,
-// instead of by a dozen small torch ops in Python in every layer (~0.15 ms a call, 4.5 ms of a
-// 30-layer step).
-at::Tensor paged_prefill_attention_chunks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                          const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                          const at::Tensor& query_start_loc, double scale,
-                                          const c10::optional<at::Tensor>& k_scales,
-                                          const c10::optional<at::Tensor>& v_scales) {
-  const int64_t num_seqs = context_lens.numel();
-  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
-                  query_start_loc.numel() == num_seqs + 1 && context_lens.scalar_type() == at::kInt &&
-                  context_lens.is_contiguous(),
-              "query_start_loc [num_seqs + 1] and context_lens [num_seqs] must be contiguous int32");
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0), "query_start_loc must run from 0 to q's ",
-              q.size(0), " rows");
-  at::Tensor row_seq = at::empty({q.size(0)}, context_lens.options());
-  at::Tensor row_lens = at::empty({q.size(0)}, context_lens.options());
-  int32_t* seq_of = row_seq.data_ptr<int32_t>();
-  int32_t* len_of = row_lens.data_ptr<int32_t>();
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int32_t chunk = starts[s + 1] - starts[s];
-    TORCH_CHECK(chunk >= 0 && chunk <= lens[s], "sequence ", s, ": a chunk of ", chunk, " rows in a context of ",
-                lens[s]);
-    for (int32_t j = 0; j < chunk; ++j) {
-      seq_of[starts[s] + j] = int32_t(s);
-      len_of[starts[s] + j] = lens[s] - chunk + j + 1;
-    }
-  }
-  return attend_rows(q, k_cache, v_cache, block_tables, row_lens, seq_of, scale, k_scales, v_scales);
 }

@@ -444,6 +444,11 @@ VEC_INLINE void store(Vec16 v, T* p, int n) {
   std::memcpy(p, tail, sizeof(T) * n);
 }
 
+// silu(g) = g * sigmoid(g), computed as g / (1 + exp(-g)): for g << 0 exp(-g) is huge (or
+// infinite), and the quotient 0. SwiGLU's activation, wherever it is applied (fused_ops.cpp's
+// silu_and_mul, linear.cpp's fused gate/up): one definition, the same bits.
+VEC_INLINE Vec16 silu(Vec16 g) { return g / (Vec16::all(1.f) + exp(Vec16::zero() - g)); }
+
 // v as the storage type T holds it: unchanged for fp32, rounded to bf16 for uint16_t.
 template <typename T>
 VEC_INLINE Vec16 round_to(Vec16 v) {

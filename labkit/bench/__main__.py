@@ -19,6 +19,7 @@ COMMANDS = {
     "costs": "what one request's options (stop strings, logit_bias, logprobs, n, ...) cost each engine iteration",
     "disagg": "prefill/decode interference, chunked prefill and disaggregation (simulated)",
     "matmul": "the linear layers of one forward pass: labkit's panels against oneDNN and MKL, by rows",
+    "prefill": "prefill attention on a CPU: the C++ tiles against the row loop, SDPA and the torch reference",
     "step": "one engine iteration (a decode batch, a long prefill) and attention's share of it",
     "swap": "preemption by swapping vs recomputation, by block size (paper's Figure 19; about 3 min)",
     "gpu-check": "everything that needs a GPU: gpu tests, kernel bandwidth, engine = Transformers on CUDA",

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from .. import vllm_port
+from . import checkout
 
 DEFAULT_LEVELS = (1, 8, 32)
 METRICS = ("output_tok_per_s", "ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms")
@@ -141,13 +142,21 @@ def run_labkit_client(base_url: str, w: Workload, concurrency: int) -> dict:
 
 
 # ---- the servers ---------------------------------------------------------------------------
+def labkit_command(src: str | None = None) -> list[str]:
+    """The command that starts ``python -m labkit``: this checkout's, or ``src``'s (another
+    checkout, its Python and its C++ kernels both: ``labkit.bench.checkout``)."""
+    if src is None:
+        return [sys.executable, "-m", "labkit"]
+    return checkout.command(src, "labkit")
+
+
 @contextmanager
 def labkit_server(model: str, w: Workload, extra_args=(), src: str | None = None):
     """``python -m labkit serve`` on a free loopback port, answering to ``model``; yields its root URL.
-    ``src``: run the labkit of that directory (another checkout: ``-m`` imports from the current
-    directory first) instead of this one."""
+    ``src``: run the labkit of that directory (another checkout, its kernels included) instead of
+    this one."""
     port = vllm_port.free_port()
-    cmd = [sys.executable, "-m", "labkit", "serve", "--model", model, "--served-model-name", model,
+    cmd = [*labkit_command(src), "serve", "--model", model, "--served-model-name", model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", w.dtype, "--no-prefix-caching",
            "--max-model-len", "2048", "--log-level", "warning", *extra_args]
     with vllm_port.server_process(cmd, port, name="labkit serve", timeout_s=SERVER_START_TIMEOUT_S,

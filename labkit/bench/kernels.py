@@ -47,6 +47,7 @@ from labkit.kernels import (
 )
 from labkit.kernels.paged_decode_attention import DEFAULT_PARTITION_SIZE, multiprocessor_count, choose_partition_size
 from labkit.kernels.paged_decode_attention_cpu import HAS_NUMBA
+from labkit.bench import time_in_turn
 from labkit.utils import cdiv
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -106,23 +107,6 @@ def time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-def time_in_turn(fns: dict[str, object], warmup: int, repeats: int) -> dict[str, float]:
-    """Median milliseconds per call of each function, the functions called in turn (one call
-    each per round, the order rotating): on a shared machine a busy moment slows them all
-    alike, which timing one after the other would not."""
-    names = list(fns)
-    for name in names:
-        for _ in range(warmup):
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def isa_builds(wanted: list[str]) -> dict[str, object]:

@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from labkit.bench import time_in_turn
 from labkit.kernels import cpu_extension
 from labkit.kernels.linear_cpu import linear_panels, pack_panels
 from labkit.model.llama import ModelSpec
@@ -128,19 +129,10 @@ def run(model: str, rows: list[int], methods: list[str], isas: list[str] | None,
                                            for i, w in enumerate(ws)]
             else:
                 fns[name] = lambda ws=ws: [inputs(i) @ w for i, w in enumerate(ws)]
-        times: dict[str, list[float]] = {name: [] for name in fns}
-        for name in fns:
-            fns[name]()  # warm-up
-        names = list(fns)
-        for r in range(repeats):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                t0 = time.perf_counter()
-                fns[name]()
-                times[name].append(time.perf_counter() - t0)
-        out["rows"][m] = {name: {"ms": round(statistics.median(t) * 1e3, 2),
-                                 "gb_per_s": round(weight_bytes / statistics.median(t) / 1e9, 1),
-                                 "gflop_per_s": round(flops / statistics.median(t) / 1e9, 1)}
-                          for name, t in times.items()}
+        ms = time_in_turn(fns, warmup=1, repeats=repeats)
+        out["rows"][m] = {name: {"ms": round(t, 2), "gb_per_s": round(weight_bytes / t / 1e6, 1),
+                                 "gflop_per_s": round(flops / t / 1e6, 1)}
+                          for name, t in ms.items()}
     return out
 
 

@@ -1,8 +1,10 @@
 """Benchmark one engine iteration: ``python -m labkit.bench step``.
 
-Times the model runner on two steps, a batch of decodes and one long prefill:
+Times the model runner on two steps, a batch of decodes and a prefill (one long prompt, or
+``--prompts N`` fresh prompts of ``--prefill`` tokens each in one step: a wave of requests):
 
     python -m labkit.bench step                      # smollm2-135m, batch 64 at context 400, 512-token prefill
+    python -m labkit.bench step --batch 8 --context 128 --prefill 128 --prompts 8   # a class's wave of eight
     python -m labkit.bench step --model tiny-llama --batch 8 --context 100
 
 Reports the median wall time of each step over a few repetitions (after a warm-up), with
@@ -79,28 +81,30 @@ class _TimedOps(_WrappedOps):
 
 
 def bench_chunks(runner: ModelRunner, batch: int = 64, context: int = 400, prefill: int = 512,
-                 seed: int = 0) -> tuple[list[SeqChunk], list[SeqChunk]]:
+                 seed: int = 0, prompts: int = 1) -> tuple[list[SeqChunk], list[SeqChunk]]:
     """The two benchmark steps: ``batch`` decodes at ``context`` tokens (blocks scattered
-    over the cache, as after a while of serving) and one fresh ``prefill``-token prompt."""
+    over the cache, as after a while of serving) and ``prompts`` fresh ``prefill``-token prompts."""
     rng = random.Random(seed)
     bs = runner.block_size
     vocab = runner.vocab_size
-    per_seq = cdiv(context, bs)
-    if batch * per_seq > runner.num_blocks or cdiv(prefill, bs) > runner.num_blocks:
+    per_seq, per_prompt = cdiv(context, bs), cdiv(prefill, bs)
+    if batch * per_seq > runner.num_blocks or prompts * per_prompt > runner.num_blocks:
         raise ValueError(f"the KV cache ({runner.num_blocks} blocks) is too small for this benchmark")
     blocks = list(range(runner.num_blocks))
     rng.shuffle(blocks)
     decode = [SeqChunk([rng.randrange(vocab)], context - 1, blocks[i * per_seq:(i + 1) * per_seq])
               for i in range(batch)]
-    pre = [SeqChunk([rng.randrange(vocab) for _ in range(prefill)], 0, blocks[: cdiv(prefill, bs)])]
+    pre = [SeqChunk([rng.randrange(vocab) for _ in range(prefill)], 0, blocks[i * per_prompt:(i + 1) * per_prompt])
+           for i in range(prompts)]
     return decode, pre
 
 
 def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefill: int = 512,
-                 repeats: int = 5, seed: int = 0) -> dict:
+                 repeats: int = 5, seed: int = 0, prompts: int = 1) -> dict:
     """Median seconds of a decode step (``batch`` sequences at ``context`` tokens) and of a
-    ``prefill``-token prompt, each with the part spent in attention ops."""
-    decode, pre = bench_chunks(runner, batch, context, prefill, seed)
+    step prefilling ``prompts`` fresh ``prefill``-token prompts, each with the part spent in
+    attention ops."""
+    decode, pre = bench_chunks(runner, batch, context, prefill, seed, prompts)
     timed = _TimedOps(runner.ops)
     ops, runner.ops = runner.ops, timed
     try:
@@ -123,10 +127,10 @@ def step_timings(runner: ModelRunner, batch: int = 64, context: int = 400, prefi
             out[f"{name}_attention_cpu_s"] = statistics.median(attn_cpu)
     finally:
         runner.ops = ops
-    out.update(batch=batch, context=context, prefill_tokens=prefill, threads=torch.get_num_threads(),
-               backend=runner.attention_backend, model=runner.name)
+    out.update(batch=batch, context=context, prefill_tokens=prefill, prefill_prompts=prompts,
+               threads=torch.get_num_threads(), backend=runner.attention_backend, model=runner.name)
     out["decode_tok_per_s"] = batch / out["decode_s"]
-    out["prefill_tok_per_s"] = prefill / out["prefill_s"]
+    out["prefill_tok_per_s"] = prompts * prefill / out["prefill_s"]
     return out
 
 
@@ -175,6 +179,12 @@ class _LabelledPanels:
     def linear_panels(self, *a):
         with torch.profiler.record_function(_PANELS):
             return self.ext.linear_panels(*a)
+
+    def linear_panels_silu_mul(self, *a):
+        """The MLP's gate/up multiply with SiLU * up fused in (``Linear.silu_mul``): counted as
+        matmul, its element-wise epilogue included (a few percent of it)."""
+        with torch.profiler.record_function(_PANELS):
+            return self.ext.linear_panels_silu_mul(*a)
 
 
 def machine_peaks(dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> dict:
@@ -332,8 +342,10 @@ def markdown_tables(result: dict) -> str:
         b = result[f"{kind}_ops"]
         sec, floors = b["seconds"], b["floors"]
         total = sum(sec.values())
+        prompts = result.get("prefill_prompts", 1)
         what = (f"decode step, batch {result['batch']}, context {result['context']}" if kind == "decode"
-                else f"prefill step, one {result['prefill_tokens']}-token prompt")
+                else f"prefill step, {'one' if prompts == 1 else prompts} {result['prefill_tokens']}-token "
+                     f"prompt{'s' * (prompts > 1)}")
         step = result[f"{kind}_cpu_s" if one else f"{kind}_s"]
         lines += ["", f"**{what}**: {total * 1e3:.0f} ms in all "
                   f"(the step alone {step * 1e3:.0f} ms{' CPU' if one else ''}, then sampling and scheduling)", "",
@@ -363,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=400)
-    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--prefill", type=int, default=512, help="tokens of each prompt of the prefill step")
+    p.add_argument("--prompts", type=int, default=1, help="fresh prompts in the prefill step (default 1)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--backend", default="auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -377,17 +390,19 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     a.ops = a.ops or a.markdown
     dtype = getattr(torch, a.dtype)
-    need = max(a.batch * cdiv(a.context, a.block_size), cdiv(a.prefill, a.block_size)) + 1
+    if a.prompts < 1:
+        raise SystemExit("--prompts must be at least 1")
+    need = max(a.batch * cdiv(a.context, a.block_size), a.prompts * cdiv(a.prefill, a.block_size)) + 1
     runner = ModelRunner(a.model, block_size=a.block_size, num_blocks=need, attention_backend=a.backend,
                          dtype=dtype)
-    r = step_timings(runner, a.batch, a.context, a.prefill, a.repeats)
+    r = step_timings(runner, a.batch, a.context, a.prefill, a.repeats, prompts=a.prompts)
     if a.ops:
         r.update(dtype=a.dtype, peaks=machine_peaks(dtype))
-        decode, pre = bench_chunks(runner, a.batch, a.context, a.prefill)
+        decode, pre = bench_chunks(runner, a.batch, a.context, a.prefill, prompts=a.prompts)
         for kind, chunks in (("decode", decode), ("prefill", pre)):
             r[f"{kind}_ops"] = op_breakdown(runner, chunks, r["peaks"], repeats=a.repeats)
         r["decode_ops"]["seconds"]["scheduling"] = _scheduling_seconds(a.batch, a.context, a.block_size)
-        r["prefill_ops"]["seconds"]["scheduling"] = _scheduling_seconds(1, a.prefill, a.block_size)
+        r["prefill_ops"]["seconds"]["scheduling"] = _scheduling_seconds(a.prompts, a.prefill, a.block_size)
     if a.markdown:
         print(markdown_tables(r))
         return 0

@@ -215,6 +215,20 @@ class Linear(nn.Module):
         self._ext = ext
         self.weight_t = None
 
+    @property
+    def fuses_silu(self) -> bool:
+        """Whether :meth:`silu_mul` can run: weights on panels, gate and up whole panels each."""
+        return self.panels is not None and self.out_features % 32 == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this layer's output, for an MLP's stacked [gate | up] weight on
+        panels, in one C++ pass that never writes the [tokens, 2 * inter] product to memory
+        (``csrc/linear.cpp``); the same bits as ``forward`` then ``silu_and_mul``."""
+        lead = x.shape[:-1]
+        y = self._ext.linear_panels_silu_mul(x.reshape(-1, x.shape[-1]).contiguous(), self.panels,
+                                             self.out_features, self.bias)
+        return y.view(*lead, self.out_features // 2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             if x.dim() == 2:  # the model's case: [tokens, features]
@@ -359,6 +373,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(down_weight, down_bias)
 
     def forward(self, x: torch.Tensor, fused=None) -> torch.Tensor:
+        if fused is not None and self.gate_up_proj.fuses_silu:  # the CPU backend on panels: matmul and activation
+            return self.down_proj(self.gate_up_proj.silu_mul(x))  # in one pass (C++)
         gate_up = self.gate_up_proj(x)
         if fused is not None:  # the CPU backend: silu(gate) * up in one pass (C++)
             return self.down_proj(fused.silu_and_mul(gate_up))

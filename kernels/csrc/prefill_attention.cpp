@@ -1,0 +1,342 @@
+// Prefill attention on a CPU, in C++: a chunk's query rows in tiles, as two small matrix
+// multiplies with an exact softmax between them.
+//
+// A decode query is one row: it reads each cached K and V once and does little arithmetic on
+// it, so the decode loop (paged_decode_attention.cpp) is built to stream memory. A prefill
+// chunk of L tokens is L query rows over the same context, and row j's context is row j - 1's
+// plus one token: L rows read the same keys and values L times. Done a row at a time (what
+// paged_prefill_attention_rows does), every key is loaded again for every row, and its dot
+// product is summed across vector lanes for each row alone. Done a tile of rows at a time, a
+// key loaded once serves the whole tile: that is matrix multiplication, and it runs at the
+// speed of the machine's multiply-adds, not of its loads.
+//
+// For each sequence and query head, in tiles of kTile consecutive rows of its chunk:
+//
+//   1. scores   S = (q * scale) K^T over the context the tile's last row sees. K is packed
+//      first, once per sequence and KV head, as panels of 16 tokens, kt[p][d][16] (the same
+//      layout as a linear layer's weight panels, linear.cpp): for each d the tile's rows
+//      broadcast q[r][d] and multiply-add it with one vector of 16 tokens' K[., d]. Two
+//      panels at a time: 2 loads and 8 broadcasts for 16 multiply-adds.
+//   2. softmax  for each row r over its own causal length n_r = context - L + j + 1: the
+//      maximum, exp, the sum. Exact, not online: the whole row of scores is there (a short
+//      context, at most a few thousand floats a row). Past n_r the row's probabilities are 0.
+//   3. values   out = P V: for each token, its V row (read in place from the paged cache) is
+//      multiply-added into the tile's outputs with each row's probability broadcast.
+//
+// The causal mask costs nothing extra: a row stops at its own length (scores past it are never
+// used, probabilities past it are 0); within a tile, its last row's length bounds the work.
+//
+// Every number a row gets depends only on its own query, its sequence's cache and its length:
+// which tile, chunk or batch it falls in changes no bit (the dot products run over d in order,
+// in one accumulator per row; zeros past a row's length add exactly nothing), so the CPU
+// backend's logits stay batch-invariant (linear.cpp).
+//
+// Cache dtypes: as the decode loop's. K is widened (bf16) or dequantized (int8, fp8: times its
+// token's scale) into fp32 panels as it is packed; V is widened as it is read, and a quantized
+// V's scales join the probabilities (the sum of values takes p * s; the softmax's sum, p).
+//
+// Measured on a 2-core Intel Xeon (AVX-512), SmolLM2's 9 query and 3 KV heads of 64, fp32, one
+// layer (python -m labkit.bench prefill): eight fresh 128-token prompts 3.26 ms row by row, 2.38
+// in tiles; one 512-token prompt 5.32 and 2.89; 1,024 tokens 20.9 and 10.9 (SDPA 16.5). See
+// docs/performance.md.
+
+// ATen's own headers, not <torch/extension.h> (see paged_decode_attention.cpp).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "parallel.h"
+#include "vec.h"
+
+namespace {
+
+using vec::Vec16;
+
+constexpr int kTile = 8;                 // query rows per tile
+constexpr int kLanes = Vec16::size;      // tokens per K panel
+constexpr float kMinusInfinity = -1e30f;  // finite: -ffast-math may assume there are no infinities
+
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, vec::fp8_e4m3>;
+
+// What every tile of one call reads: the tensors' pointers and strides.
+template <typename T>
+struct Inputs {
+  const float* q;          // [rows, heads, D], fp32
+  const T* k;              // caches [blocks, block_size, kv_heads, D]
+  const T* v;
+  const float* k_scales;   // a quantized cache's [blocks, block_size, kv_heads], else nullptr
+  const float* v_scales;
+  const int32_t* tables;   // [seqs, table_stride]
+  const int32_t* lens;     // context of each sequence, its chunk included
+  const int32_t* starts;   // query_start_loc [seqs + 1]
+  int64_t heads, kv_heads, D, block_size, block_stride, row_stride, table_stride;
+  float scale;
+  const float* kt;         // the packed keys (pack_keys)
+  const int64_t* kt_at;    // where sequence s's panels start in kt: kt_at[s] + h * panels_s * D * 16
+};
+
+// Sequence s's keys of KV head h as panels of 16 tokens, kt[p][d][lane] = K[16 p + lane, d] in
+// fp32 (times the token's scale for a quantized cache); lanes past the context are 0.
+template <typename T>
+void pack_keys(const Inputs<T>& in, int64_t s, int64_t h, float* kt) {
+  const int64_t n = in.lens[s], D = in.D, panels = (n + kLanes - 1) / kLanes;
+  const int32_t* table = in.tables + s * in.table_stride;
+  std::fill(kt + (panels - 1) * D * kLanes, kt + panels * D * kLanes, 0.f);  // the last panel's padding
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t block = table[t / in.block_size], offset = t % in.block_size;
+    const T* row = in.k + block * in.block_stride + offset * in.row_stride + h * D;
+    float scale = 1.f;
+    if constexpr (kQuantized<T>) scale = in.k_scales[(block * in.block_size + offset) * in.kv_heads + h];
+    float* dst = kt + (t / kLanes) * D * kLanes + t % kLanes;
+    alignas(64) float widened[Vec16::size];
+    for (int64_t d = 0; d < D; d += Vec16::size) {
+      (Vec16::load(row + d) * Vec16::all(scale)).store(widened);
+      for (int i = 0; i < Vec16::size; ++i) dst[(d + i) * kLanes] = widened[i];
+    }
+  }
+}
+
+// How many fp32 vectors of accumulators a register tile holds: AVX-512 has 32 registers of one
+// Vec16, AVX2 16 of half of one (a Vec16 is two), the portable build plain arrays.
+#if defined(LABKIT_VEC_AVX512)
+constexpr int kScoreRows = 8, kScorePanels = 2, kValueAccs = 16;  // 16 + 2 + 1 of 32 registers
+#else
+constexpr int kScoreRows = 4, kScorePanels = 1, kValueAccs = 4;   // 8 + 2 + 2 of 16 (AVX2)
+#endif
+
+// Scores of rows [0, R) of the tile against panels [p0, p0 + P): s[r][16 p + lane]. qs[r][d]
+// holds the tile's queries, already scaled (D floats a row).
+template <int R, int P>
+inline void score_block(const float* qs, const float* kt, int64_t D, int64_t p0, float* s, int64_t ld) {
+  Vec16 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = Vec16::zero();
+  for (int64_t d = 0; d < D; ++d) {
+    Vec16 k[P];
+    for (int p = 0; p < P; ++p) k[p] = Vec16::load(kt + ((p0 + p) * D + d) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec16 qr = Vec16::all(qs[r * D + d]);
+      for (int p = 0; p < P; ++p) acc[r][p] = vec::fma(qr, k[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p].store(s + r * ld + (p0 + p) * kLanes);
+}
+
+// 1. Scores of the tile's kTile rows (rows past the chunk's end have queries of 0) against
+// panels [0, panels): s[r][16 p + lane], ld floats a row.
+inline void scores(const float* qs, const float* kt, int64_t D, int64_t panels, float* s, int64_t ld) {
+  for (int r0 = 0; r0 < kTile; r0 += kScoreRows) {
+    int64_t p = 0;
+    for (; p + kScorePanels <= panels; p += kScorePanels)
+      score_block<kScoreRows, kScorePanels>(qs + r0 * D, kt, D, p, s + r0 * ld, ld);
+    for (; p < panels; ++p) score_block<kScoreRows, 1>(qs + r0 * D, kt, D, p, s + r0 * ld, ld);
+  }
+}
+
+// 2. One row's scores s[0, n) into probabilities, in place, and zeros over [n, padded); returns
+// 1 / their sum. (The sum runs over whole 16-lane vectors in order; lanes past n add 0.)
+inline float softmax_row(float* s, int64_t n, int64_t padded) {
+  const int64_t vectors = padded / Vec16::size;
+  Vec16 mx = Vec16::all(kMinusInfinity);
+  for (int64_t i = 0; i < vectors; ++i) {
+    const int64_t left = n - i * Vec16::size;
+    if (left <= 0) break;
+    mx = vec::max(mx, Vec16::load(s + i * Vec16::size).first(int(std::min<int64_t>(left, 16)), kMinusInfinity));
+  }
+  const Vec16 m = Vec16::all(mx.reduce_max());
+  Vec16 sum = Vec16::zero();
+  for (int64_t i = 0; i < vectors; ++i) {
+    const int64_t left = std::clamp<int64_t>(n - i * Vec16::size, 0, 16);
+    const Vec16 p = vec::exp(Vec16::load(s + i * Vec16::size) - m).first(int(left));
+    p.store(s + i * Vec16::size);
+    sum = sum + p;
+  }
+  return 1.f / sum.reduce_sum();
+}
+
+// 3. out[r] = sum over tokens t < n of p[r][t] V[t], for R rows of C vectors each (D = 16 C),
+// the outputs in registers: R x C <= 16 accumulators.
+template <typename T, int C, int R>
+inline void values(const Inputs<T>& in, int64_t s, int64_t h, const float* p, int64_t ld, int64_t n,
+                   const float* inv, float* const* out) {
+  Vec16 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = Vec16::zero();
+  const int32_t* table = in.tables + s * in.table_stride;
+  for (int64_t t0 = 0; t0 < n; t0 += in.block_size) {
+    const int64_t block = table[t0 / in.block_size];
+    const int64_t used = std::min(in.block_size, n - t0);
+    const T* vb = in.v + block * in.block_stride + h * in.D;
+    for (int64_t o = 0; o < used; ++o) {
+      Vec16 v[C];
+      for (int c = 0; c < C; ++c) v[c] = Vec16::load(vb + o * in.row_stride + c * Vec16::size);
+      float vs = 1.f;
+      if constexpr (kQuantized<T>) vs = in.v_scales[(block * in.block_size + o) * in.kv_heads + h];
+      for (int r = 0; r < R; ++r) {
+        const Vec16 w = Vec16::all(p[r * ld + t0 + o] * vs);
+        for (int c = 0; c < C; ++c) acc[r][c] = vec::fma(w, v[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) (acc[r][c] * Vec16::all(inv[r])).store(out[r] + c * Vec16::size);
+}
+
+// The tile's rows through `values`, as many at a time as fit in registers beside C vectors of V.
+template <typename T, int C>
+void values_for_tile(const Inputs<T>& in, int64_t s, int64_t h, const float* p, int64_t ld, int rows,
+                     int64_t n, const float* inv, float* const* out) {
+  constexpr int R = C >= kValueAccs ? 1 : kValueAccs / C;  // AVX-512: 4 rows for head_dim 64, 2 for 128
+  int r = 0;
+  for (; r + R <= rows; r += R) values<T, C, R>(in, s, h, p + r * ld, ld, n, inv + r, out + r);
+  for (; r < rows; ++r) values<T, C, 1>(in, s, h, p + r * ld, ld, n, inv + r, out + r);
+}
+
+// One tile: rows [row0, row0 + rows) of sequence s's chunk, query head qh. work: kTile x ld
+// floats for the scores, qs: kTile x D for the queries.
+template <typename T>
+void tile(const Inputs<T>& in, int64_t s, int64_t qh, int64_t row0, int rows, float* work, float* qs,
+          float* out_base) {
+  const int64_t D = in.D, group = in.heads / in.kv_heads, h = qh / group;
+  const int64_t chunk = in.starts[s + 1] - in.starts[s], n_all = in.lens[s];
+  const int64_t n_last = n_all - chunk + row0 + rows;  // the tile's last row sees the most
+  const int64_t panels = (n_last + kLanes - 1) / kLanes, ld = panels * kLanes;
+  const Vec16 scale = Vec16::all(in.scale);
+  for (int r = 0; r < kTile; ++r) {  // rows past the chunk's end: queries of 0, their scores unused
+    const float* qr = in.q + ((in.starts[s] + row0 + r) * in.heads + qh) * D;
+    for (int64_t d = 0; d < D; d += Vec16::size)
+      (r < rows ? Vec16::load(qr + d) * scale : Vec16::zero()).store(qs + r * D + d);
+  }
+  const int64_t panels_s = (n_all + kLanes - 1) / kLanes;
+  scores(qs, in.kt + in.kt_at[s] + h * panels_s * D * kLanes, D, panels, work, ld);
+  float inv[kTile];
+  float* out[kTile];
+  for (int r = 0; r < rows; ++r) {
+    inv[r] = softmax_row(work + r * ld, n_all - chunk + row0 + r + 1, ld);
+    out[r] = out_base + ((in.starts[s] + row0 + r) * in.heads + qh) * D;
+  }
+  switch (D / Vec16::size) {
+    case 1: values_for_tile<T, 1>(in, s, h, work, ld, rows, n_last, inv, out); break;
+    case 2: values_for_tile<T, 2>(in, s, h, work, ld, rows, n_last, inv, out); break;
+    case 4: values_for_tile<T, 4>(in, s, h, work, ld, rows, n_last, inv, out); break;
+    default: values_for_tile<T, 8>(in, s, h, work, ld, rows, n_last, inv, out); break;
+  }
+}
+
+template <typename T>
+void prefill_tiles(Inputs<T> in, int64_t num_seqs, at::Tensor& out) {
+  // Pack every sequence's keys, one (sequence, KV head) per unit of work.
+  std::vector<int64_t> kt_at(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    kt_at[s + 1] = kt_at[s] + (in.lens[s] + kLanes - 1) / kLanes * kLanes * in.D * in.kv_heads;
+  std::unique_ptr<float[]> kt(new float[kt_at[num_seqs]]);  // every float is written by pack_keys
+  in.kt = kt.get();
+  in.kt_at = kt_at.data();
+  labkit::parallel_chunks(num_seqs * in.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t s = u / in.kv_heads, h = u % in.kv_heads;
+      if (in.starts[s + 1] == in.starts[s] || in.lens[s] == 0) continue;  // no rows: nothing reads it
+      const int64_t panels = (in.lens[s] + kLanes - 1) / kLanes;
+      pack_keys(in, s, h, kt.get() + kt_at[s] + h * panels * in.D * kLanes);
+    }
+  });
+  // The tiles, the costliest first (the last rows of the longest contexts), so that the work
+  // left at the end, when a thread may wait for another, is the smallest.
+  struct Unit {
+    int64_t cost, s, qh, row0;
+  };
+  std::vector<Unit> units;
+  int64_t longest = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t chunk = in.starts[s + 1] - in.starts[s];
+    longest = std::max<int64_t>(longest, in.lens[s]);
+    for (int64_t row0 = 0; row0 < chunk; row0 += kTile)
+      for (int64_t qh = 0; qh < in.heads; ++qh)
+        units.push_back({in.lens[s] - chunk + std::min<int64_t>(row0 + kTile, chunk), s, qh, row0});
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  const int64_t ld_max = (longest + kLanes - 1) / kLanes * kLanes;
+  float* o = out.data_ptr<float>();
+  const int64_t num_units = int64_t(units.size());
+  std::atomic<int64_t> next{0};  // each thread takes the next tile when it is free (parallel.h)
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> work(kTile * ld_max), qs(kTile * in.D);  // a thread's scores and queries
+    for (int64_t i = next++; i < num_units; i = next++) {
+      const Unit& u = units[i];
+      const int64_t chunk = in.starts[u.s + 1] - in.starts[u.s];
+      tile(in, u.s, u.qh, u.row0, int(std::min<int64_t>(kTile, chunk - u.row0)), work.data(), qs.data(), o);
+    }
+  });
+}
+
+}  // namespace
+
+// Prefill chunks (the arguments kernels/paged_prefill_attention.py's wrapper checked, as the
+// torch reference takes them): sequence i's rows query_start_loc[i] ..
+// query_start_loc[i + 1] - 1, its row j attending to the first context_lens[i] - L_i + j + 1
+// tokens of its cache. q fp32 [rows, heads, D], D a multiple of 16 up to 128; returns fp32 like q.
+at::Tensor paged_prefill_attention_tiles(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                         const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                         const at::Tensor& query_start_loc, double scale,
+                                         const c10::optional<at::Tensor>& k_scales,
+                                         const c10::optional<at::Tensor>& v_scales) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous fp32 [rows, heads, D]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "K and V caches must be contiguous [blocks, block_size, kv_heads, D], of one dtype");
+  const int64_t D = q.size(2), heads = q.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(D % Vec16::size == 0 && D <= 128 && k_cache.size(3) == D, "head_dim ", D,
+              ": the tiles take multiples of 16 up to 128, as q and the caches' last dimension");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads are not groups of ", kv_heads, " KV heads");
+  const int64_t num_seqs = context_lens.numel();
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  block_tables.size(0) == num_seqs && context_lens.scalar_type() == at::kInt &&
+                  context_lens.is_contiguous() && query_start_loc.scalar_type() == at::kInt &&
+                  query_start_loc.is_contiguous() && query_start_loc.numel() == num_seqs + 1,
+              "block_tables [seqs, max_blocks], context_lens [seqs] and query_start_loc [seqs + 1] must be int32, "
+              "rows contiguous");
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0), "query_start_loc must run from 0 to q's ", q.size(0),
+              " rows");
+  for (int64_t s = 0; s < num_seqs; ++s)
+    TORCH_CHECK(starts[s + 1] >= starts[s] && starts[s + 1] - starts[s] <= lens[s], "sequence ", s, ": a chunk of ",
+                starts[s + 1] - starts[s], " rows in a context of ", lens[s]);
+  const auto dtype = k_cache.scalar_type();
+  const bool quantized = dtype == at::kChar || dtype == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_scales.has_value() == quantized && v_scales.has_value() == quantized,
+              quantized ? "a quantized (int8, fp8) cache needs its k_scales and v_scales"
+                        : "k_scales and v_scales belong to a quantized (int8, fp8) cache");
+  if (quantized)
+    for (const at::Tensor* sc : {&*k_scales, &*v_scales})
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
+                      sc->size(0) == k_cache.size(0) && sc->size(1) == k_cache.size(1) && sc->size(2) == kv_heads,
+                  "scales must be contiguous fp32 [num_blocks, block_size, num_kv_heads]");
+  at::Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    Inputs<T> in{q.data_ptr<float>(), reinterpret_cast<const T*>(k_cache.data_ptr()),
+                 reinterpret_cast<const T*>(v_cache.data_ptr()),
+                 quantized ? k_scales->data_ptr<float>() : nullptr, quantized ? v_scales->data_ptr<float>() : nullptr,
+                 block_tables.data_ptr<int32_t>(), lens, starts, heads, kv_heads, D, k_cache.size(1),
+                 k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), float(scale), nullptr, nullptr};
+    prefill_tiles<T>(in, num_seqs, out);
+  };
+  if (dtype == at::kFloat) run(float{});
+  else if (dtype == at::kBFloat16) run(uint16_t{});
+  else if (dtype == at::kChar) run(int8_t{});
+  else if (dtype == at::kFloat8_e4m3fn) run(vec::fp8_e4m3{});
+  else TORCH_CHECK(false, "no kernel for cache dtype ", dtype);
+  return out;
+}

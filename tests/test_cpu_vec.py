@@ -144,10 +144,28 @@ def test_prefill_tiles_are_the_rows_of_their_chunks(ext, dtype, head_dim, heads,
                                           torch.tensor([0, 37, 51, 61, 62, 79], dtype=torch.int32), 0.2)
 
 
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(48, 6, 2), (80, 8, 2), (96, 4, 4), (112, 7, 1)])
+def test_prefill_tiles_take_every_head_size_of_16s(ext, head_dim, heads, kv_heads):
+    """Head sizes that are multiples of 16 but not powers of two (Phi's 80, 96, ...): each output
+    row is written exactly head_dim wide (a wider write would overwrite the next head's output,
+    or run past the tensor), and equals the reference; the NaN in every block nobody owns stays
+    unread."""
+    q, k, v, tables, lens = _paged([40, 9 + 20, 3], 16, kv_heads, head_dim, heads, torch.float32, seed=head_dim)
+    chunks = [(0, 40), (9, 20), (2, 1)]
+    starts = torch.tensor([0, 40, 60, 61], dtype=torch.int32)
+    row_seq = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, (_, n) in enumerate(chunks)])
+    row_lens = torch.cat([torch.arange(p + 1, p + n + 1, dtype=torch.int32) for p, n in chunks])
+    qr = torch.randn(61, heads, head_dim, generator=torch.Generator().manual_seed(1))
+    out = ext.paged_prefill_attention_tiles(qr, k, v, tables, lens, starts, 0.1)
+    torch.testing.assert_close(out, _reference(qr, k, v, tables[row_seq.long()], row_lens, 0.1), atol=2e-5, rtol=2e-5)
+
+
 def test_prefill_tiles_do_not_depend_on_the_batch_or_the_chunking(ext):
     """A row's attention is the same bits whichever tile, chunk or batch it falls in (the CPU
     backend's logits are batch-invariant): a 45-token prompt's rows, computed as one chunk
-    alone, beside two other sequences, and as chunks of 20 + 25 and 1 + 44 tokens."""
+    alone, beside two other sequences, and as chunks of 20 + 25 and 8 + 37 tokens. A chunk of
+    fewer than 8 rows takes the row loop instead (a tile would pack its whole context for a few
+    rows), whatever else the call holds: the rows entry's bits, alone or beside tiled chunks."""
     q, k, v, tables, lens = _paged([45, 30, 70], 16, 3, 64, 9, torch.float32, seed=11)
     qs = torch.randn(45 + 30 + 70, 9, 64, generator=torch.Generator().manual_seed(12))
 
@@ -160,7 +178,12 @@ def test_prefill_tiles_do_not_depend_on_the_batch_or_the_chunking(ext):
     alone = run([0], [(0, 45)])
     assert torch.equal(run([1, 0, 2], [(0, 30), (0, 45), (0, 70)])[30:75], alone)
     assert torch.equal(torch.cat([run([0], [(0, 20)]), run([0], [(20, 45)])]), alone)
-    assert torch.equal(torch.cat([run([0], [(0, 1)]), run([2, 0], [(0, 70), (1, 45)])[70:]]), alone)
+    assert torch.equal(torch.cat([run([0], [(0, 8)]), run([2, 0], [(0, 70), (8, 45)])[70:]]), alone)
+    tail = run([0], [(40, 45)])                        # 5 rows: the row loop
+    rows = ext.paged_prefill_attention_rows(qs[40:45], k, v, tables, torch.arange(41, 46, dtype=torch.int32),
+                                            torch.zeros(5, dtype=torch.int32), 0.125)
+    assert torch.equal(tail, rows)
+    assert torch.equal(run([1, 0, 2], [(0, 30), (40, 45), (63, 70)])[30:35], rows)
 
 
 QUANTIZED = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]

@@ -171,6 +171,7 @@ const float* check_operands(const at::Tensor& x, const at::Tensor& panels, int64
               "panels must be contiguous fp32 [ceil(N / 16), K, 16]");
   TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns but the weight's panels have ",
               panels.size(1), " rows");
+  TORCH_CHECK(x.size(1) > 0, "x has no columns: a linear layer of in_features 0");
   TORCH_CHECK(N > 0 && (N + kPanel - 1) / kPanel == panels.size(0), "out_features ", N, " does not fit ",
               panels.size(0), " panels of ", kPanel);
   if (!bias.has_value()) return nullptr;
@@ -204,8 +205,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t 
 // SwiGLU's first half in one pass: silu(x Wg^T + bg) * (x Wu^T + bu), for the MLP's gate and up
 // weights stacked [gate | up] (out_features = 2 * inter, inter a multiple of 16, so that no
 // panel holds columns of both) and packed as one matrix. A unit multiplies a block of rows by a
-// group of gate panels and by the matching up panels into two small buffers (in L1), and writes
-// only silu(gate) * up: the [M, 2 inter] product of the unfused path (12.6 MB for a 1024-token
+// group of gate panels and by the matching up panels into two buffers of its own (a row block
+// by 48 columns each, 21 KB for SmolLM2's prefill: in L2 with the block), and writes only
+// silu(gate) * up: the [M, 2 inter] product of the unfused path (12.6 MB for a 1024-token
 // prefill of SmolLM2, per layer) is never written to memory and read back. The same bits as
 // linear_panels followed by silu_and_mul (fused_ops.cpp): the same sums, the same vec::silu.
 at::Tensor linear_panels_silu_mul(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,

@@ -15,8 +15,9 @@
 //   1. scores   S = (q * scale) K^T over the context the tile's last row sees. K is packed
 //      first, once per sequence and KV head, as panels of 16 tokens, kt[p][d][16] (the same
 //      layout as a linear layer's weight panels, linear.cpp): for each d the tile's rows
-//      broadcast q[r][d] and multiply-add it with one vector of 16 tokens' K[., d]. Two
-//      panels at a time: 2 loads and 8 broadcasts for 16 multiply-adds.
+//      broadcast q[r][d] and multiply-add it with one vector of 16 tokens' K[., d]. On
+//      AVX-512 two panels at a time: 2 loads and 8 broadcasts for 16 multiply-adds (AVX2,
+//      with half the registers: four rows by one panel).
 //   2. softmax  for each row r over its own causal length n_r = context - L + j + 1: the
 //      maximum, exp, the sum. Exact, not online: the whole row of scores is there (a short
 //      context, at most a few thousand floats a row). Past n_r the row's probabilities are 0.
@@ -26,10 +27,15 @@
 // The causal mask costs nothing extra: a row stops at its own length (scores past it are never
 // used, probabilities past it are 0); within a tile, its last row's length bounds the work.
 //
-// Every number a row gets depends only on its own query, its sequence's cache and its length:
-// which tile, chunk or batch it falls in changes no bit (the dot products run over d in order,
-// in one accumulator per row; zeros past a row's length add exactly nothing), so the CPU
-// backend's logits stay batch-invariant (linear.cpp).
+// Every number a prefill row gets depends only on its own query, its sequence's cache and its
+// length: which tile, chunk or batch it falls in changes no bit (the dot products run over d in
+// order, in one accumulator per row; zeros past a row's length add exactly nothing), so the CPU
+// backend's logits stay batch-invariant (linear.cpp). (A prefill row and the decode loop's row
+// for the same token are computed in other orders: equal within rounding, not to the bit.)
+//
+// A chunk of fewer than kTile rows takes the decode loop instead, a row at a time
+// (short_chunks_as_rows): for a few rows, packing the whole context's keys costs more than it
+// saves.
 //
 // Cache dtypes: as the decode loop's. K is widened (bf16) or dequantized (int8, fp8: times its
 // token's scale) into fp32 panels as it is packed; V is widened as it is read, and a quantized
@@ -49,6 +55,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -132,15 +139,27 @@ inline void score_block(const float* qs, const float* kt, int64_t D, int64_t p0,
     for (int p = 0; p < P; ++p) acc[r][p].store(s + r * ld + (p0 + p) * kLanes);
 }
 
-// 1. Scores of the tile's kTile rows (rows past the chunk's end have queries of 0) against
-// panels [0, panels): s[r][16 p + lane], ld floats a row.
-inline void scores(const float* qs, const float* kt, int64_t D, int64_t panels, float* s, int64_t ld) {
-  for (int r0 = 0; r0 < kTile; r0 += kScoreRows) {
-    int64_t p = 0;
-    for (; p + kScorePanels <= panels; p += kScorePanels)
-      score_block<kScoreRows, kScorePanels>(qs + r0 * D, kt, D, p, s + r0 * ld, ld);
-    for (; p < panels; ++p) score_block<kScoreRows, 1>(qs + r0 * D, kt, D, p, s + r0 * ld, ld);
-  }
+// Rows [0, R) against every panel, kScorePanels at a time.
+template <int R>
+inline void score_rows(const float* qs, const float* kt, int64_t D, int64_t panels, float* s, int64_t ld) {
+  int64_t p = 0;
+  for (; p + kScorePanels <= panels; p += kScorePanels) score_block<R, kScorePanels>(qs, kt, D, p, s, ld);
+  for (; p < panels; ++p) score_block<R, 1>(qs, kt, D, p, s, ld);
+}
+
+// 1. Scores of the tile's first `rows` rows against panels [0, panels): s[r][16 p + lane], ld
+// floats a row. Blocks of kScoreRows rows; a short tile (a chunk of a few tokens after a long
+// context, a chunk's last rows) takes the next power of two of its rows, not eight: a row's
+// scores are the same bits whichever block computes them (queries past the chunk are 0).
+inline void scores(const float* qs, const float* kt, int64_t D, int64_t panels, int rows, float* s, int64_t ld) {
+  int r0 = 0;
+  for (; r0 + kScoreRows <= rows; r0 += kScoreRows) score_rows<kScoreRows>(qs + r0 * D, kt, D, panels, s + r0 * ld, ld);
+  const int left = rows - r0;
+  if (left == 0) return;
+  if (left <= 1) score_rows<1>(qs + r0 * D, kt, D, panels, s + r0 * ld, ld);
+  else if (left <= 2) score_rows<2>(qs + r0 * D, kt, D, panels, s + r0 * ld, ld);
+  else if (left <= 4) score_rows<4>(qs + r0 * D, kt, D, panels, s + r0 * ld, ld);
+  else score_rows<kScoreRows>(qs + r0 * D, kt, D, panels, s + r0 * ld, ld);
 }
 
 // 2. One row's scores s[0, n) into probabilities, in place, and zeros over [n, padded); returns
@@ -196,7 +215,7 @@ inline void values(const Inputs<T>& in, int64_t s, int64_t h, const float* p, in
 template <typename T, int C>
 void values_for_tile(const Inputs<T>& in, int64_t s, int64_t h, const float* p, int64_t ld, int rows,
                      int64_t n, const float* inv, float* const* out) {
-  constexpr int R = C >= kValueAccs ? 1 : kValueAccs / C;  // AVX-512: 4 rows for head_dim 64, 2 for 128
+  constexpr int R = std::clamp(kValueAccs / C, 1, kTile);  // AVX-512: 4 rows for head_dim 64, 2 for 128
   int r = 0;
   for (; r + R <= rows; r += R) values<T, C, R>(in, s, h, p + r * ld, ld, n, inv + r, out + r);
   for (; r < rows; ++r) values<T, C, 1>(in, s, h, p + r * ld, ld, n, inv + r, out + r);
@@ -218,34 +237,38 @@ void tile(const Inputs<T>& in, int64_t s, int64_t qh, int64_t row0, int rows, fl
       (r < rows ? Vec16::load(qr + d) * scale : Vec16::zero()).store(qs + r * D + d);
   }
   const int64_t panels_s = (n_all + kLanes - 1) / kLanes;
-  scores(qs, in.kt + in.kt_at[s] + h * panels_s * D * kLanes, D, panels, work, ld);
+  scores(qs, in.kt + in.kt_at[s] + h * panels_s * D * kLanes, D, panels, rows, work, ld);
   float inv[kTile];
   float* out[kTile];
   for (int r = 0; r < rows; ++r) {
     inv[r] = softmax_row(work + r * ld, n_all - chunk + row0 + r + 1, ld);
     out[r] = out_base + ((in.starts[s] + row0 + r) * in.heads + qh) * D;
   }
-  switch (D / Vec16::size) {
+  switch (D / Vec16::size) {  // head_dim 16 .. 128 (the entry checks it): its vectors per row
     case 1: values_for_tile<T, 1>(in, s, h, work, ld, rows, n_last, inv, out); break;
     case 2: values_for_tile<T, 2>(in, s, h, work, ld, rows, n_last, inv, out); break;
+    case 3: values_for_tile<T, 3>(in, s, h, work, ld, rows, n_last, inv, out); break;
     case 4: values_for_tile<T, 4>(in, s, h, work, ld, rows, n_last, inv, out); break;
+    case 5: values_for_tile<T, 5>(in, s, h, work, ld, rows, n_last, inv, out); break;
+    case 6: values_for_tile<T, 6>(in, s, h, work, ld, rows, n_last, inv, out); break;
+    case 7: values_for_tile<T, 7>(in, s, h, work, ld, rows, n_last, inv, out); break;
     default: values_for_tile<T, 8>(in, s, h, work, ld, rows, n_last, inv, out); break;
   }
 }
 
 template <typename T>
-void prefill_tiles(Inputs<T> in, int64_t num_seqs, at::Tensor& out) {
-  // Pack every sequence's keys, one (sequence, KV head) per unit of work.
+void prefill_tiles(Inputs<T> in, int64_t num_seqs, const std::vector<bool>& tiled, at::Tensor& out) {
+  // Pack the keys of every tiled sequence, one (sequence, KV head) per unit of work.
   std::vector<int64_t> kt_at(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s)
-    kt_at[s + 1] = kt_at[s] + (in.lens[s] + kLanes - 1) / kLanes * kLanes * in.D * in.kv_heads;
-  std::unique_ptr<float[]> kt(new float[kt_at[num_seqs]]);  // every float is written by pack_keys
+    kt_at[s + 1] = kt_at[s] + (tiled[s] ? (in.lens[s] + kLanes - 1) / kLanes * kLanes * in.D * in.kv_heads : 0);
+  std::unique_ptr<float[]> kt(new float[kt_at[num_seqs]]);  // pack_keys writes all that any tile reads
   in.kt = kt.get();
   in.kt_at = kt_at.data();
   labkit::parallel_chunks(num_seqs * in.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t s = u / in.kv_heads, h = u % in.kv_heads;
-      if (in.starts[s + 1] == in.starts[s] || in.lens[s] == 0) continue;  // no rows: nothing reads it
+      if (!tiled[s]) continue;
       const int64_t panels = (in.lens[s] + kLanes - 1) / kLanes;
       pack_keys(in, s, h, kt.get() + kt_at[s] + h * panels * in.D * kLanes);
     }
@@ -258,12 +281,14 @@ void prefill_tiles(Inputs<T> in, int64_t num_seqs, at::Tensor& out) {
   std::vector<Unit> units;
   int64_t longest = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
+    if (!tiled[s]) continue;
     const int64_t chunk = in.starts[s + 1] - in.starts[s];
     longest = std::max<int64_t>(longest, in.lens[s]);
     for (int64_t row0 = 0; row0 < chunk; row0 += kTile)
       for (int64_t qh = 0; qh < in.heads; ++qh)
         units.push_back({in.lens[s] - chunk + std::min<int64_t>(row0 + kTile, chunk), s, qh, row0});
   }
+  if (units.empty()) return;
   std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
   const int64_t ld_max = (longest + kLanes - 1) / kLanes * kLanes;
   float* o = out.data_ptr<float>();
@@ -277,6 +302,54 @@ void prefill_tiles(Inputs<T> in, int64_t num_seqs, at::Tensor& out) {
       tile(in, u.s, u.qh, u.row0, int(std::min<int64_t>(kTile, chunk - u.row0)), work.data(), qs.data(), o);
     }
   });
+}
+
+}  // namespace
+
+// The decode loop over prefill rows (paged_decode_attention.cpp): the short chunks' path.
+bool supports(int64_t head_dim, int64_t group, int64_t block_size);
+at::Tensor paged_prefill_attention_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& block_tables, const at::Tensor& row_lens,
+                                        const at::Tensor& row_seq, double scale,
+                                        const c10::optional<at::Tensor>& k_scales,
+                                        const c10::optional<at::Tensor>& v_scales);
+
+namespace {
+
+// Chunks of fewer than kTile rows (a prompt's last few tokens after a long cached prefix, the
+// tail of a chunked prompt) through the decode loop, a row at a time: a tile would pack the whole
+// context's keys for those few rows, up to 5x slower than reading them in place (`python -m
+// labkit.bench prefill --shapes 32x1@500`). Whether a sequence's rows take tiles or rows depends
+// on its own chunk only, so a sequence's results do not depend on the other sequences of the call.
+void short_chunks_as_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const int32_t* lens, const int32_t* starts,
+                          const std::vector<int64_t>& seqs, double scale, const c10::optional<at::Tensor>& k_scales,
+                          const c10::optional<at::Tensor>& v_scales, at::Tensor& out) {
+  int64_t n = 0;
+  for (int64_t s : seqs) n += starts[s + 1] - starts[s];
+  const auto ints = block_tables.options();
+  at::Tensor row_seq = at::empty({n}, ints), row_lens = at::empty({n}, ints);
+  at::Tensor rows_q = at::empty({n, q.size(1), q.size(2)}, q.options());
+  const int64_t row_floats = q.size(1) * q.size(2);
+  int64_t r = 0;
+  for (int64_t s : seqs) {
+    const int32_t chunk = starts[s + 1] - starts[s];
+    for (int32_t j = 0; j < chunk; ++j, ++r) {
+      row_seq.data_ptr<int32_t>()[r] = int32_t(s);
+      row_lens.data_ptr<int32_t>()[r] = lens[s] - chunk + j + 1;
+    }
+    std::memcpy(rows_q.data_ptr<float>() + (r - chunk) * row_floats, q.data_ptr<float>() + starts[s] * row_floats,
+                sizeof(float) * chunk * row_floats);
+  }
+  const at::Tensor o = paged_prefill_attention_rows(rows_q, k_cache, v_cache, block_tables, row_lens, row_seq, scale,
+                                                    k_scales, v_scales);
+  r = 0;
+  for (int64_t s : seqs) {
+    const int32_t chunk = starts[s + 1] - starts[s];
+    std::memcpy(out.data_ptr<float>() + starts[s] * row_floats, o.data_ptr<float>() + r * row_floats,
+                sizeof(float) * chunk * row_floats);
+    r += chunk;
+  }
 }
 
 }  // namespace
@@ -324,6 +397,17 @@ at::Tensor paged_prefill_attention_tiles(const at::Tensor& q, const at::Tensor& 
                   "scales must be contiguous fp32 [num_blocks, block_size, num_kv_heads]");
   at::Tensor out = at::empty_like(q);
   if (q.size(0) == 0) return out;
+  // Which chunks take tiles: those of kTile rows or more, and any the row loop has no kernel for.
+  const bool rows_run = supports(D, heads / kv_heads, k_cache.size(1));
+  std::vector<bool> tiled(num_seqs);
+  std::vector<int64_t> short_seqs;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t chunk = starts[s + 1] - starts[s];
+    tiled[s] = chunk >= kTile || (chunk > 0 && !rows_run);
+    if (chunk > 0 && !tiled[s]) short_seqs.push_back(s);
+  }
+  if (!short_seqs.empty())
+    short_chunks_as_rows(q, k_cache, v_cache, block_tables, lens, starts, short_seqs, scale, k_scales, v_scales, out);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     Inputs<T> in{q.data_ptr<float>(), reinterpret_cast<const T*>(k_cache.data_ptr()),
@@ -331,7 +415,7 @@ at::Tensor paged_prefill_attention_tiles(const at::Tensor& q, const at::Tensor& 
                  quantized ? k_scales->data_ptr<float>() : nullptr, quantized ? v_scales->data_ptr<float>() : nullptr,
                  block_tables.data_ptr<int32_t>(), lens, starts, heads, kv_heads, D, k_cache.size(1),
                  k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), float(scale), nullptr, nullptr};
-    prefill_tiles<T>(in, num_seqs, out);
+    prefill_tiles<T>(in, num_seqs, tiled, out);
   };
   if (dtype == at::kFloat) run(float{});
   else if (dtype == at::kBFloat16) run(uint16_t{});

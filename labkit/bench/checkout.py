@@ -21,7 +21,7 @@ import os
 import sys
 
 # The bootstrap, as a program of its own: it must not import this checkout's labkit first.
-BOOTSTRAP = """\\
+BOOTSTRAP = """\
 import importlib.abc, importlib.util, os, runpy, sys
 src, module = os.path.abspath(sys.argv[1]), sys.argv[2]
 class Kernels(importlib.abc.MetaPathFinder):

@@ -5,7 +5,7 @@ model's layers) for a few chunk shapes, by each of:
 
 * ``tiles``: the CPU backend's kernel (``kernels/csrc/prefill_attention.cpp``): eight query
   rows at a time, scores as a register-tiled multiply against key panels, an exact softmax,
-  then the values;
+  then the values (a chunk of fewer than eight rows goes to the row loop, as in the engine);
 * ``rows``: the decode loop run once per query row (``paged_prefill_attention_rows``), the
   simplest correct prefill on the paged cache: every row reads its whole context again;
 * ``sdpa``: the backend's path for long contexts: the chunk's context gathered from the cache,
@@ -13,10 +13,10 @@ model's layers) for a few chunk shapes, by each of:
 * ``reference``: ``paged_prefill_attention_ref``, the plain torch reference the others are
   tested against.
 
-A shape is ``NxL`` (N fresh prompts of L tokens, each its own chunk: a wave of requests) or
+A shape is ``NxL`` (N fresh prompts of L tokens, each its own chunk: a wave of requests),
 ``L@P`` (a chunk of L tokens after P tokens already in the cache: chunked prefill, a prefix-cache
-hit). The methods are timed in turn, call by call, so that a busy machine slows them alike;
-medians of ``--repeats``. GFLOP/s counts the causal part only, what any of them must compute:
+hit), or ``NxL@P`` (N such chunks). The methods are timed in turn, call by call, so that a busy
+machine slows them alike; medians of ``--repeats``. GFLOP/s counts the causal part only, what any of them must compute:
 4 x head_dim FLOPs per query head and key it sees (q.k and p.v, a multiply and an add each).
 
     python -m labkit.bench prefill                       # SmolLM2-135M's heads, fp32
@@ -38,25 +38,23 @@ from labkit.kernels import cpu_extension
 # The module (labkit.kernels exports a function of the same name): its TILES_MAX_CONTEXT is read per call.
 prefill = importlib.import_module("labkit.kernels.paged_prefill_attention")
 
-DEFAULT_SHAPES = ["1x128", "8x128", "1x512", "128@384", "1x1024", "512@1536", "1x2048"]
+DEFAULT_SHAPES = ["1x128", "8x128", "1x512", "128@384", "32x1@500", "1x1024", "512@1536", "1x2048"]
 METHODS = ("tiles", "rows", "sdpa", "reference")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_shape(shape: str) -> list[tuple[int, int]]:
-    """``"8x128"`` -> eight (prefix 0, chunk 128); ``"512@1536"`` -> [(1536, 512)]."""
+    """``"8x128"`` -> eight (prefix 0, chunk 128); ``"512@1536"`` -> [(1536, 512)];
+    ``"16x1@500"`` -> sixteen one-token chunks after 500 cached tokens each."""
     try:
-        if "x" in shape:
-            n, length = (int(v) for v in shape.split("x"))
-            chunks = [(0, length)] * n
-        else:
-            length, before = (int(v) for v in shape.split("@"))
-            chunks = [(before, length)]
+        count, x, rest = shape.rpartition("x")
+        length, at, before = rest.partition("@")
+        chunks = [(int(before) if at else 0, int(length))] * (int(count) if x else 1)
     except ValueError:
-        raise ValueError(f"shape {shape!r}: write NxL (N fresh prompts of L tokens) or L@P "
-                         "(a chunk of L tokens after P in the cache)") from None
-    if any(n <= 0 or p < 0 for p, n in chunks):
-        raise ValueError(f"shape {shape!r}: lengths must be positive")
+        raise ValueError(f"shape {shape!r}: write NxL (N fresh prompts of L tokens), L@P (a chunk of L "
+                         "tokens after P in the cache) or NxL@P") from None
+    if not chunks or any(n <= 0 or p < 0 for p, n in chunks):
+        raise ValueError(f"shape {shape!r}: lengths and counts must be positive")
     return chunks
 
 

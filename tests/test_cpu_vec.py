@@ -135,7 +135,7 @@ def test_prefill_tiles_are_the_rows_of_their_chunks(ext, dtype, head_dim, heads,
     row_seq = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, (_, n) in enumerate(chunks)])
     row_lens = torch.cat([torch.arange(p + 1, p + n + 1, dtype=torch.int32) for p, n in chunks])
     qr = torch.randn(len(row_seq), heads, head_dim, generator=torch.Generator().manual_seed(8))
-    out = ext.paged_prefill_attention_tiles(qr, k, v, tables, lens, starts, 0.2)
+    out = ext.paged_prefill_attention_tiles(qr, k, v, tables, lens, starts, 0.2, amx=False)  # AMX: the tests below
     torch.testing.assert_close(out, ext.paged_prefill_attention_rows(qr, k, v, tables, row_lens, row_seq, 0.2),
                                atol=1e-5, rtol=2e-5)
     torch.testing.assert_close(out, _reference(qr, k, v, tables[row_seq.long()], row_lens, 0.2), atol=2e-5, rtol=2e-5)
@@ -184,6 +184,95 @@ def test_prefill_tiles_do_not_depend_on_the_batch_or_the_chunking(ext):
                                             torch.zeros(5, dtype=torch.int32), 0.125)
     assert torch.equal(tail, rows)
     assert torch.equal(run([1, 0, 2], [(0, 30), (40, 45), (63, 70)])[30:35], rows)
+
+
+def _bf16_attention(q, k, v, tables, lens, scale):
+    """Attention as the AMX tiles compute it, in fp64: the scaled queries rounded to bf16, the
+    probabilities exp(s - max) rounded to bf16 for the values' sum, the softmax's sum from the
+    unrounded ones. Rows as the decode reference takes them: one query row per entry."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[2]
+    bs = k.shape[1]
+    for r in range(q.shape[0]):
+        n = int(lens[r])
+        slots = [int(tables[r, t // bs]) * bs + t % bs for t in range(n)]
+        kk = k.flatten(0, 1)[slots].double()     # [n, kv_heads, D]
+        vv = v.flatten(0, 1)[slots].double()
+        for h in range(q.shape[1]):
+            qs = (q[r, h] * scale).bfloat16().double()
+            s = kk[:, h // group] @ qs
+            p = torch.exp(s - s.max())
+            out[r, h] = (p.float().bfloat16().double() @ vv[:, h // group]) / p.sum()
+    return out.float()
+
+
+def _amx_or_skip(ext):
+    if not ext.amx_tiles():
+        pytest.skip(f"this build's tiles do not run on AMX here (C++ build {ext.isa()}: AMX needs a CPU with "
+                    "AMX-BF16, such as an Intel Xeon of Sapphire Rapids or later, and a kernel that allows it)")
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 16, 2), (32, 6, 1), (96, 4, 4)])
+def test_prefill_tiles_on_amx_are_attention_with_bf16_queries_and_weights(ext, head_dim, heads, kv_heads):
+    """A bf16 cache on a CPU with AMX: both multiplies on the matrix unit, the queries and the
+    probabilities rounded to bf16 (as vLLM's AMX kernel and torch's bf16 SDPA round them), the sums
+    fp32. Held tightly to that computation done in fp64, and loosely (bf16's precision) to exact
+    attention: a fresh prompt, a chunk after a prefix, an empty chunk, a one-token chunk (the row
+    loop), a 17-row chunk (a tile and one row), a 300-token prompt; NaN in every unowned block."""
+    _amx_or_skip(ext)
+    q, k, v, tables, lens = _paged([37, 23 + 14, 9, 41, 100, 300], 16, kv_heads, head_dim, heads, torch.bfloat16,
+                                   seed=head_dim)
+    chunks = [(0, 37), (23, 14), (9, 0), (40, 1), (83, 17), (0, 300)]
+    starts = torch.tensor([0, 37, 51, 51, 52, 69, 369], dtype=torch.int32)
+    row_seq = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, (_, n) in enumerate(chunks)])
+    row_lens = torch.cat([torch.arange(p + 1, p + n + 1, dtype=torch.int32) for p, n in chunks])
+    qr = torch.randn(len(row_seq), heads, head_dim, generator=torch.Generator().manual_seed(8))
+    out = ext.paged_prefill_attention_tiles(qr, k, v, tables, lens, starts, 0.2)
+    tiled = torch.ones(len(row_seq), dtype=torch.bool)
+    tiled[51] = not ext.supports(head_dim, heads // kv_heads, 16)  # the one-token chunk: the row loop, where it runs
+    tables_r = tables[row_seq.long()]
+    emulated = _bf16_attention(qr, k, v, tables_r, row_lens, 0.2)[tiled]
+    # Equal to fp32's rounding but where a weight sits on a bf16 rounding boundary (the kernel's
+    # fp32 exp and the fp64 one round it to neighbouring bf16 numbers): a few in a thousand.
+    off = (out[tiled] - emulated).abs() > 2e-5 + 2e-5 * emulated.abs()
+    assert off.float().mean() < 5e-3 and (out[tiled] - emulated).abs().max() < 2e-3
+    exact = _reference(qr.double(), k.double(), v.double(), tables_r, row_lens, 0.2).float()
+    torch.testing.assert_close(out, exact, atol=3e-2, rtol=3e-2)
+    assert (out - exact).abs().mean() < 2e-3
+    fp32 = ext.paged_prefill_attention_tiles(qr, k, v, tables, lens, starts, 0.2, amx=False)
+    assert not torch.equal(out[tiled], fp32[tiled])   # the AMX path ran (the fp32 tiles round nothing)
+    assert torch.equal(out[~tiled], fp32[~tiled])   # (an empty selection where the row loop has no kernel)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(48, 6, 2), (80, 8, 2), (112, 7, 1)])
+def test_prefill_tiles_take_head_sizes_amx_cannot_on_avx512(ext, head_dim, heads, kv_heads):
+    """A bf16 cache whose head size is not a multiple of 32 (an AMX tile's row holds 32 bf16):
+    the fp32 tiles, whatever the CPU, bit for bit what ``amx=False`` gives."""
+    q, k, v, tables, lens = _paged([40, 9 + 20], 16, kv_heads, head_dim, heads, torch.bfloat16, seed=3)
+    starts = torch.tensor([0, 40, 60], dtype=torch.int32)
+    qr = torch.randn(60, heads, head_dim, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(ext.paged_prefill_attention_tiles(qr, k, v, tables, lens, starts, 0.1),
+                       ext.paged_prefill_attention_tiles(qr, k, v, tables, lens, starts, 0.1, amx=False))
+
+
+def test_prefill_tiles_on_amx_do_not_depend_on_the_batch_or_the_chunking(ext):
+    """On AMX as on AVX-512, a row's attention is the same bits whichever tile, chunk or batch it
+    falls in: a 45-token prompt alone, beside two other sequences, and as chunks of 20 + 25 and
+    8 + 37 (16-row tiles: its rows fall in other tiles each time)."""
+    _amx_or_skip(ext)
+    q, k, v, tables, lens = _paged([45, 30, 70], 16, 3, 64, 9, torch.bfloat16, seed=11)
+    qs = torch.randn(45 + 30 + 70, 9, 64, generator=torch.Generator().manual_seed(12))
+
+    def run(seqs, chunk):
+        rows = torch.cat([qs[sum([45, 30, 70][:s]) + a:sum([45, 30, 70][:s]) + b] for s, (a, b) in zip(seqs, chunk)])
+        starts = torch.tensor([0] + list(torch.tensor([b - a for a, b in chunk]).cumsum(0)), dtype=torch.int32)
+        ctx = torch.tensor([b for _, b in chunk], dtype=torch.int32)
+        return ext.paged_prefill_attention_tiles(rows, k, v, tables[list(seqs)], ctx, starts, 0.125)
+
+    alone = run([0], [(0, 45)])
+    assert torch.equal(run([1, 0, 2], [(0, 30), (0, 45), (0, 70)])[30:75], alone)
+    assert torch.equal(torch.cat([run([0], [(0, 20)]), run([0], [(20, 45)])]), alone)
+    assert torch.equal(torch.cat([run([0], [(0, 8)]), run([2, 0], [(0, 70), (8, 45)])[70:]]), alone)
 
 
 QUANTIZED = [pytest.param(torch.int8, id="int8"), pytest.param(torch.float8_e4m3fn, id="fp8")]

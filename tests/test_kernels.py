@@ -763,9 +763,9 @@ def test_bench_step_times_a_wave_of_prompts(capsys):
 
 
 def test_bench_prefill_times_every_method_on_each_shape(capsys):
-    """``python -m labkit.bench prefill``: the C++ tiles, the row loop, SDPA and the reference on
-    fresh prompts and on a chunk after cached tokens; GFLOP/s from the causal work; a shape it
-    cannot read is refused by name."""
+    """``python -m labkit.bench prefill``: the C++ tiles (on AMX where it runs, and without), the
+    row loop, SDPA and the reference on fresh prompts and on a chunk after cached tokens;
+    GFLOP/s from the causal work; a shape it cannot read is refused by name."""
     import json
 
     from labkit.bench.prefill import causal_flops, main, parse_shape
@@ -779,7 +779,7 @@ def test_bench_prefill_times_every_method_on_each_shape(capsys):
     r = json.loads(capsys.readouterr().out)
     assert list(r["shapes"]) == ["2x16", "8@24"]
     for row in r["shapes"].values():
-        assert set(row) == {"tiles", "rows", "sdpa", "reference"}
+        assert set(row) == {"tiles", "tiles-fp32", "rows", "sdpa", "reference"}
         assert all(m["ms"] > 0 and m["gflop_per_s"] > 0 and m["model_ms"] == pytest.approx(30 * m["ms"], abs=0.1)
                    for m in row.values())
     assert main(args) == 0

@@ -17,7 +17,8 @@ at::Tensor paged_prefill_attention_tiles(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                                          const at::Tensor& query_start_loc, double scale,
                                          const c10::optional<at::Tensor>& k_scales,
-                                         const c10::optional<at::Tensor>& v_scales);
+                                         const c10::optional<at::Tensor>& v_scales, bool amx);
+bool amx_tiles();
 
 at::Tensor rope_and_cache(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
@@ -55,11 +56,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("row_seq"), py::arg("scale"), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
         release_gil());
   m.def("paged_prefill_attention_tiles", &paged_prefill_attention_tiles,
-        "prefill chunks in tiles of 8 rows (prefill_attention.cpp): sequence i's rows "
-        "query_start_loc[i]:query_start_loc[i + 1], causally over its cache",
+        "prefill chunks in tiles of rows (prefill_attention.cpp): sequence i's rows "
+        "query_start_loc[i]:query_start_loc[i + 1], causally over its cache; a bf16 cache on AMX where "
+        "amx and amx_tiles()",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("k_scales") = py::none(),
-        py::arg("v_scales") = py::none(), release_gil());
+        py::arg("v_scales") = py::none(), py::arg("amx") = true, release_gil());
+  m.def("amx_tiles", &amx_tiles,
+        "whether paged_prefill_attention_tiles runs a bf16 cache's tiles on AMX here (build and CPU)");
   m.def("rope_and_cache", &rope_and_cache,
         "rotary embedding of q and k, and k, v written into the cache at their slots; returns q");
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place, if given), then rms_norm(x) * weight");

@@ -40,6 +40,8 @@
 // Cache dtypes: as the decode loop's. K is widened (bf16) or dequantized (int8, fp8: times its
 // token's scale) into fp32 panels as it is packed; V is widened as it is read, and a quantized
 // V's scales join the probabilities (the sum of values takes p * s; the softmax's sum, p).
+// A bf16 cache on a CPU with AMX (and a head size that is a multiple of 32) takes namespace amx
+// below instead: the same three steps on 16-row tiles, both multiplies on the matrix unit.
 //
 // Measured on a 2-core Intel Xeon (AVX-512), SmolLM2's 9 query and 3 KV heads of 64, fp32, one
 // layer (python -m labkit.bench prefill): eight fresh 128-token prompts 3.26 ms row by row, 2.38
@@ -62,6 +64,13 @@
 
 #include "parallel.h"
 #include "vec.h"
+
+#if defined(LABKIT_VEC_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LABKIT_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -304,6 +313,233 @@ void prefill_tiles(Inputs<T> in, int64_t num_seqs, const std::vector<bool>& tile
   });
 }
 
+#if LABKIT_AMX
+// ---- bf16 caches on a CPU with AMX: both multiplies on the matrix unit ------------------------
+//
+// Intel's Advanced Matrix Extensions (Sapphire Rapids and later) add eight tile registers of up to
+// 16 rows x 64 bytes and one instruction, TDPBF16PS, that multiplies a 16 x 32 bf16 tile by a
+// 32 x 16 one into 16 x 16 fp32 sums: 8,192 multiply-adds, against 16 for an AVX-512 FMA. With a
+// bf16 cache the tiles above spend their time widening bf16 to fp32 and multiply-adding it;
+// here the same three steps run on 16-row tiles, both multiplies on the matrix unit:
+//
+//   1. scores   S = (q * scale) K^T: the queries rounded to bf16 (as vLLM's and torch's bf16
+//      attention do), keys packed per (sequence, KV head) in AMX's pair layout, kp[p][d / 2][16][2]
+//      (panel p's 16 tokens, two dims of one token side by side: a 64-byte row of a tile);
+//   2. softmax  in fp32, exact, as above; the probabilities then rounded to bf16;
+//   3. values   P V, values packed the same way, token pairs side by side:
+//      vp[g][c][t / 2][16][2] for groups g of 32 tokens and columns c of 16 dims.
+//
+// Rounding P to bf16 costs about three decimal digits of each weight, as vLLM's AMX kernel does;
+// the sums are fp32. A row's result still depends only on its own query, cache and length (the
+// unit sums each output in a fixed order, whatever the other rows): batch-invariant as before.
+// Head sizes that are multiples of 32 take this path (a tile's row holds 32 bf16), others the fp32
+// tiles; `amx=False` (paged_prefill_attention_tiles) asks for the fp32 tiles, to compare.
+namespace amx {
+
+constexpr int kRows = 16;    // query rows per tile: a tile register's rows
+constexpr int kGroup = 32;   // tokens per step of P V: a 64-byte row of bf16 probabilities
+
+// Linux hands out the tile registers' 8 KB of state per process, on request.
+bool usable() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+// Every tile register as 16 rows of 64 bytes (palette 1), for this thread.
+void configure() {
+  struct alignas(64) Config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } c{};
+  c.palette = 1;
+  for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = kRows;
+  _tile_loadconfig(&c);
+}
+
+// Sequence s's keys of KV head h: kp[p][i][lane][2] = K[16 p + lane, 2 i + (0, 1)]; zeros past n.
+void pack_keys(const Inputs<uint16_t>& in, int64_t s, int64_t h, uint16_t* kp) {
+  const int64_t n = in.lens[s], D = in.D, panels = (n + kLanes - 1) / kLanes;
+  const int32_t* table = in.tables + s * in.table_stride;
+  std::fill(kp + (panels - 1) * D * kLanes, kp + panels * D * kLanes, uint16_t(0));
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* row = in.k + table[t / in.block_size] * in.block_stride + t % in.block_size * in.row_stride + h * D;
+    uint16_t* dst = kp + (t / kLanes) * D * kLanes + (t % kLanes) * 2;
+    for (int64_t i = 0; i < D / 2; ++i) std::memcpy(dst + i * kLanes * 2, row + 2 * i, 4);
+  }
+}
+
+// Sequence s's values of KV head h: vp[g][c][i][j][2] = V[32 g + 2 i + (0, 1), 16 c + j]; zeros past n.
+void pack_values(const Inputs<uint16_t>& in, int64_t s, int64_t h, uint16_t* vp) {
+  const int64_t n = in.lens[s], D = in.D, groups = (n + kGroup - 1) / kGroup;
+  const int32_t* table = in.tables + s * in.table_stride;
+  std::fill(vp + (groups - 1) * kGroup * D, vp + groups * kGroup * D, uint16_t(0));
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* row = in.v + table[t / in.block_size] * in.block_stride + t % in.block_size * in.row_stride + h * D;
+    uint16_t* dst = vp + (t / kGroup) * kGroup * D + (t % kGroup / 2) * 32 + t % 2;
+    for (int64_t c = 0; c < D / 16; ++c)
+      for (int j = 0; j < 16; ++j) dst[c * 512 + 2 * j] = row[16 * c + j];
+  }
+}
+
+// The tile's 16 x 16 scores against panels [0, panels): tmm2.. hold the queries' KC blocks of 32
+// dims, tmm0 and tmm1 two panels' scores, tmm6 and tmm7 their keys.
+template <int KC>
+void scores(const uint16_t* qb, const uint16_t* kp, int64_t D, int64_t panels, float* s, int64_t ld) {
+  const int64_t qstride = D * 2, panel = D * kLanes;
+  _tile_loadd(2, qb, qstride);
+  if constexpr (KC > 1) _tile_loadd(3, qb + 32, qstride);
+  if constexpr (KC > 2) _tile_loadd(4, qb + 64, qstride);
+  if constexpr (KC > 3) _tile_loadd(5, qb + 96, qstride);
+  int64_t p = 0;
+  for (; p + 2 <= panels; p += 2) {
+    const uint16_t* k0 = kp + p * panel;
+    const uint16_t* k1 = k0 + panel;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(6, k0, 64); _tile_loadd(7, k1, 64); _tile_dpbf16ps(0, 2, 6); _tile_dpbf16ps(1, 2, 7);
+    if constexpr (KC > 1) { _tile_loadd(6, k0 + 512, 64); _tile_loadd(7, k1 + 512, 64); _tile_dpbf16ps(0, 3, 6); _tile_dpbf16ps(1, 3, 7); }
+    if constexpr (KC > 2) { _tile_loadd(6, k0 + 1024, 64); _tile_loadd(7, k1 + 1024, 64); _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); }
+    if constexpr (KC > 3) { _tile_loadd(6, k0 + 1536, 64); _tile_loadd(7, k1 + 1536, 64); _tile_dpbf16ps(0, 5, 6); _tile_dpbf16ps(1, 5, 7); }
+    _tile_stored(0, s + p * kLanes, ld * 4);
+    _tile_stored(1, s + (p + 1) * kLanes, ld * 4);
+  }
+  if (p < panels) {  // an odd last panel: the same sums, one tile
+    const uint16_t* k0 = kp + p * panel;
+    _tile_zero(0);
+    _tile_loadd(6, k0, 64); _tile_dpbf16ps(0, 2, 6);
+    if constexpr (KC > 1) { _tile_loadd(6, k0 + 512, 64); _tile_dpbf16ps(0, 3, 6); }
+    if constexpr (KC > 2) { _tile_loadd(6, k0 + 1024, 64); _tile_dpbf16ps(0, 4, 6); }
+    if constexpr (KC > 3) { _tile_loadd(6, k0 + 1536, 64); _tile_dpbf16ps(0, 5, 6); }
+    _tile_stored(0, s + p * kLanes, ld * 4);
+  }
+}
+
+// o[r][d] = sum over the first `groups` x 32 tokens of pb[r][t] V[t][d], for 16 rows: up to four
+// columns of 16 dims at a time in tmm0..tmm3, the probabilities in tmm4, the values in tmm5.
+void values(const uint16_t* pb, const uint16_t* vp, int64_t D, int64_t groups, int64_t ld, float* o) {
+  const int64_t columns = D / 16;
+  for (int64_t c0 = 0; c0 < columns; c0 += 4) {
+    const int64_t nc = std::min<int64_t>(4, columns - c0);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t g = 0; g < groups; ++g) {
+      _tile_loadd(4, pb + g * kGroup, ld * 2);
+      const uint16_t* v = vp + (g * columns + c0) * 512;
+      _tile_loadd(5, v, 64); _tile_dpbf16ps(0, 4, 5);
+      if (nc > 1) { _tile_loadd(5, v + 512, 64); _tile_dpbf16ps(1, 4, 5); }
+      if (nc > 2) { _tile_loadd(5, v + 1024, 64); _tile_dpbf16ps(2, 4, 5); }
+      if (nc > 3) { _tile_loadd(5, v + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+    }
+    _tile_stored(0, o + c0 * 16, D * 4);
+    if (nc > 1) _tile_stored(1, o + (c0 + 1) * 16, D * 4);
+    if (nc > 2) _tile_stored(2, o + (c0 + 2) * 16, D * 4);
+    if (nc > 3) _tile_stored(3, o + (c0 + 3) * 16, D * 4);
+  }
+}
+
+// A thread's buffers: scores (fp32) and probabilities (bf16) of 16 rows, queries, outputs.
+struct Work {
+  std::vector<float> s, o;
+  std::vector<uint16_t> pb, qb;
+  Work(int64_t ld_max, int64_t D) : s(kRows * ld_max), o(kRows * D), pb(kRows * ld_max), qb(kRows * D) {}
+};
+
+// One tile: rows [row0, row0 + rows) of sequence s's chunk, query head qh.
+void tile(const Inputs<uint16_t>& in, const uint16_t* kp_s, const uint16_t* vp_s, int64_t s, int64_t qh,
+          int64_t row0, int rows, Work& w, float* out_base) {
+  const int64_t D = in.D, h = qh / (in.heads / in.kv_heads);
+  const int64_t chunk = in.starts[s + 1] - in.starts[s], n_all = in.lens[s];
+  const int64_t n_last = n_all - chunk + row0 + rows;
+  const int64_t panels = (n_last + kLanes - 1) / kLanes, groups = (n_last + kGroup - 1) / kGroup, ld = groups * kGroup;
+  const int64_t panels_s = (n_all + kLanes - 1) / kLanes, groups_s = (n_all + kGroup - 1) / kGroup;
+  const Vec16 scale = Vec16::all(in.scale);
+  for (int r = 0; r < kRows; ++r) {  // rows past the chunk: queries of 0, their results unused
+    const float* qr = in.q + ((in.starts[s] + row0 + r) * in.heads + qh) * D;
+    for (int64_t d = 0; d < D; d += Vec16::size)
+      (r < rows ? Vec16::load(qr + d) * scale : Vec16::zero()).store(w.qb.data() + r * D + d);
+  }
+  const uint16_t* kp = kp_s + h * panels_s * D * kLanes;
+  switch (D / 32) {  // 32, 64, 96 or 128 (the caller checked)
+    case 1: scores<1>(w.qb.data(), kp, D, panels, w.s.data(), ld); break;
+    case 2: scores<2>(w.qb.data(), kp, D, panels, w.s.data(), ld); break;
+    case 3: scores<3>(w.qb.data(), kp, D, panels, w.s.data(), ld); break;
+    default: scores<4>(w.qb.data(), kp, D, panels, w.s.data(), ld); break;
+  }
+  float inv[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    uint16_t* pr = w.pb.data() + r * ld;
+    if (r >= rows) {
+      std::fill(pr, pr + ld, uint16_t(0));
+      continue;
+    }
+    float* sr = w.s.data() + r * ld;
+    inv[r] = softmax_row(sr, n_all - chunk + row0 + r + 1, ld);
+    for (int64_t t = 0; t < ld; t += Vec16::size) Vec16::load(sr + t).store(pr + t);
+  }
+  values(w.pb.data(), vp_s + h * groups_s * kGroup * D, D, groups, ld, w.o.data());
+  for (int r = 0; r < rows; ++r) {
+    float* out = out_base + ((in.starts[s] + row0 + r) * in.heads + qh) * D;
+    for (int64_t d = 0; d < D; d += Vec16::size) (Vec16::load(w.o.data() + r * D + d) * Vec16::all(inv[r])).store(out + d);
+  }
+}
+
+// The tiled chunks of a bf16 cache: keys and values packed per (sequence, KV head), then the
+// tiles, the costliest first, each thread taking the next when it is free.
+void prefill_tiles(const Inputs<uint16_t>& in, int64_t num_seqs, const std::vector<bool>& tiled, at::Tensor& out) {
+  const int64_t D = in.D;
+  std::vector<int64_t> kp_at(num_seqs + 1, 0), vp_at(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    kp_at[s + 1] = kp_at[s] + (tiled[s] ? (in.lens[s] + kLanes - 1) / kLanes * kLanes * D * in.kv_heads : 0);
+    vp_at[s + 1] = vp_at[s] + (tiled[s] ? (in.lens[s] + kGroup - 1) / kGroup * kGroup * D * in.kv_heads : 0);
+  }
+  std::unique_ptr<uint16_t[]> kp(new uint16_t[kp_at[num_seqs]]), vp(new uint16_t[vp_at[num_seqs]]);
+  labkit::parallel_chunks(num_seqs * in.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t s = u / in.kv_heads, h = u % in.kv_heads;
+      if (!tiled[s]) continue;
+      const int64_t n = in.lens[s];
+      pack_keys(in, s, h, kp.get() + kp_at[s] + h * ((n + kLanes - 1) / kLanes) * kLanes * D);
+      pack_values(in, s, h, vp.get() + vp_at[s] + h * ((n + kGroup - 1) / kGroup) * kGroup * D);
+    }
+  });
+  struct Unit {
+    int64_t cost, s, qh, row0;
+  };
+  std::vector<Unit> units;
+  int64_t longest = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (!tiled[s]) continue;
+    const int64_t chunk = in.starts[s + 1] - in.starts[s];
+    longest = std::max<int64_t>(longest, in.lens[s]);
+    for (int64_t row0 = 0; row0 < chunk; row0 += kRows)
+      for (int64_t qh = 0; qh < in.heads; ++qh)
+        units.push_back({in.lens[s] - chunk + std::min<int64_t>(row0 + kRows, chunk), s, qh, row0});
+  }
+  if (units.empty()) return;
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  const int64_t ld_max = (longest + kGroup - 1) / kGroup * kGroup;
+  float* o = out.data_ptr<float>();
+  const int64_t num_units = int64_t(units.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Work w(ld_max, D);
+    configure();
+    for (int64_t i = next++; i < num_units; i = next++) {
+      const Unit& u = units[i];
+      const int64_t chunk = in.starts[u.s + 1] - in.starts[u.s];
+      tile(in, kp.get() + kp_at[u.s], vp.get() + vp_at[u.s], u.s, u.qh, u.row0,
+           int(std::min<int64_t>(kRows, chunk - u.row0)), w, o);
+    }
+    _tile_release();  // the tile registers back to their initial state, for whoever runs next
+  });
+}
+
+}  // namespace amx
+#endif
+
 }  // namespace
 
 // The decode loop over prefill rows (paged_decode_attention.cpp): the short chunks' path.
@@ -362,7 +598,7 @@ at::Tensor paged_prefill_attention_tiles(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& block_tables, const at::Tensor& context_lens,
                                          const at::Tensor& query_start_loc, double scale,
                                          const c10::optional<at::Tensor>& k_scales,
-                                         const c10::optional<at::Tensor>& v_scales) {
+                                         const c10::optional<at::Tensor>& v_scales, bool amx) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous fp32 [rows, heads, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
@@ -418,9 +654,29 @@ at::Tensor paged_prefill_attention_tiles(const at::Tensor& q, const at::Tensor& 
     prefill_tiles<T>(in, num_seqs, tiled, out);
   };
   if (dtype == at::kFloat) run(float{});
+#if LABKIT_AMX
+  else if (dtype == at::kBFloat16 && amx && D % 32 == 0 && amx::usable()) {
+    const Inputs<uint16_t> in{q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                              reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), nullptr, nullptr,
+                              block_tables.data_ptr<int32_t>(), lens, starts, heads, kv_heads, D, k_cache.size(1),
+                              k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), float(scale), nullptr,
+                              nullptr};
+    amx::prefill_tiles(in, num_seqs, tiled, out);
+  }
+#endif
   else if (dtype == at::kBFloat16) run(uint16_t{});
   else if (dtype == at::kChar) run(int8_t{});
   else if (dtype == at::kFloat8_e4m3fn) run(vec::fp8_e4m3{});
   else TORCH_CHECK(false, "no kernel for cache dtype ", dtype);
   return out;
+}
+
+// Whether paged_prefill_attention_tiles runs a bf16 cache's tiles on AMX here: this build has the
+// instructions (-march=native on a CPU with AMX-BF16) and the kernel lets this process use them.
+bool amx_tiles() {
+#if LABKIT_AMX
+  return amx::usable();
+#else
+  return false;
+#endif
 }

@@ -6,6 +6,10 @@ model's layers) for a few chunk shapes, by each of:
 * ``tiles``: the CPU backend's kernel (``kernels/csrc/prefill_attention.cpp``): eight query
   rows at a time, scores as a register-tiled multiply against key panels, an exact softmax,
   then the values (a chunk of fewer than eight rows goes to the row loop, as in the engine);
+  a bf16 cache on a CPU with AMX: sixteen rows at a time, both multiplies on the matrix unit;
+* ``tiles-fp32``: the same kernel told not to use AMX (``amx=False``): a bf16 cache's tiles
+  widened to fp32 and multiplied on AVX-512, what a CPU without AMX runs (with an fp32 cache,
+  or where AMX is not there, the same as ``tiles``);
 * ``rows``: the decode loop run once per query row (``paged_prefill_attention_rows``), the
   simplest correct prefill on the paged cache: every row reads its whole context again;
 * ``sdpa``: the backend's path for long contexts: the chunk's context gathered from the cache,
@@ -21,6 +25,7 @@ machine slows them alike; medians of ``--repeats``. GFLOP/s counts the causal pa
 
     python -m labkit.bench prefill                       # SmolLM2-135M's heads, fp32
     python -m labkit.bench prefill --shapes 8x128 512@1536 --methods tiles rows
+    python -m labkit.bench prefill --dtype bfloat16 --methods tiles tiles-fp32 sdpa   # AMX against AVX-512
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from labkit.kernels import cpu_extension
 prefill = importlib.import_module("labkit.kernels.paged_prefill_attention")
 
 DEFAULT_SHAPES = ["1x128", "8x128", "1x512", "128@384", "32x1@500", "1x1024", "512@1536", "1x2048"]
-METHODS = ("tiles", "rows", "sdpa", "reference")
+METHODS = ("tiles", "tiles-fp32", "rows", "sdpa", "reference")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -95,6 +100,7 @@ def methods_for(ext, chunks, q, k, v, tables, lens, starts, scale: float) -> dic
             prefill.TILES_MAX_CONTEXT = saved
 
     return {"tiles": lambda: ext.paged_prefill_attention_tiles(q, k, v, tables, lens, starts, scale),
+            "tiles-fp32": lambda: ext.paged_prefill_attention_tiles(q, k, v, tables, lens, starts, scale, amx=False),
             "rows": lambda: ext.paged_prefill_attention_rows(q, k, v, tables, row_lens, row_seq, scale),
             "sdpa": sdpa,
             "reference": lambda: prefill.paged_prefill_attention_ref(q, k, v, tables, lens, starts, scale)}
@@ -103,10 +109,12 @@ def methods_for(ext, chunks, q, k, v, tables, lens, starts, scale: float) -> dic
 def run(shapes: list[str], methods=METHODS, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
         block_size: int = 16, dtype: str = "float32", repeats: int = 9, layers: int = 30) -> dict:
     ext = cpu_extension.load()
-    if ext is None and {"tiles", "rows"} & set(methods):
+    if ext is None and {"tiles", "tiles-fp32", "rows"} & set(methods):
         raise SystemExit(f"labkit's C++ kernels are not built here: {cpu_extension.status()[1]}")
-    out = {"isa": ext.isa() if ext is not None else None, "threads": torch.get_num_threads(), "heads": heads,
-           "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size, "dtype": dtype, "layers": layers,
+    amx = ext is not None and dtype == "bfloat16" and bool(ext.amx_tiles())
+    out = {"isa": ext.isa() if ext is not None else None, "amx": amx, "threads": torch.get_num_threads(),
+           "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size, "dtype": dtype,
+           "layers": layers,
            "shapes": {}}
     for shape in shapes:
         chunks = parse_shape(shape)
@@ -125,7 +133,8 @@ def table(result: dict) -> str:
     names = list(next(iter(result["shapes"].values())))
     lines = [f"prefill attention, {result['heads']} query / {result['kv_heads']} KV heads of {result['head_dim']}, "
              f"block size {result['block_size']}, {result['dtype']} cache, {result['threads']} threads, "
-             f"C++ build {result['isa']}; ms per layer (x {result['layers']} layers), GFLOP/s of the causal part",
+             f"C++ build {result['isa']}{', AMX tiles' if result.get('amx') else ''}; "
+             f"ms per layer (x {result['layers']} layers), GFLOP/s of the causal part",
              "", "| shape | " + " | ".join(f"{n} ms (x{result['layers']}, GFLOP/s)" for n in names) + " |",
              "|---|" + "---|" * len(names)]
     for shape, row in result["shapes"].items():

@@ -57,8 +57,10 @@ def _cpu_reason(why: str) -> str:
     decode = ("C++ decode attention reading the paged cache in place, fused rotary/cache-write, "
               "add+RMSNorm and SiLU*up" if compiled
               else f"Numba decode attention reading the paged cache in place ({what})")
-    prefill = ("prefill chunks of short contexts through the same C++ loop, row by row, longer ones causal SDPA"
-               if compiled else "causal SDPA for prefill chunks")
+    from .paged_prefill_attention import TILES_MAX_CONTEXT
+    prefill = (f"prefill chunks of up to {TILES_MAX_CONTEXT} tokens of context in C++ tiles of query rows (a bf16 "
+               "cache on AMX where the CPU has it), longer ones causal SDPA" if compiled
+               else "causal SDPA for prefill chunks")
     return f"CPU kernels: {decode}, {prefill}, torch references for the rest ({why})"
 
 

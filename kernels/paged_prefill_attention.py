@@ -27,8 +27,8 @@ head still share every K/V tile they load. A query tile stops reading keys at th
 position any of its rows can see.
 
 ``paged_prefill_attention_ref`` is the torch reference with the same signature;
-``paged_prefill_attention_cpu`` the CPU backend's (short contexts row by row through the C++
-decode loop, longer ones through SDPA).
+``paged_prefill_attention_cpu`` the CPU backend's (contexts up to ``TILES_MAX_CONTEXT`` in the
+C++ tiles of ``csrc/prefill_attention.cpp``, longer ones through SDPA).
 """
 
 import torch

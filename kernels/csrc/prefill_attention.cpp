@@ -28,10 +28,13 @@
 // used, probabilities past it are 0); within a tile, its last row's length bounds the work.
 //
 // Every number a prefill row gets depends only on its own query, its sequence's cache and its
-// length: which tile, chunk or batch it falls in changes no bit (the dot products run over d in
-// order, in one accumulator per row; zeros past a row's length add exactly nothing), so the CPU
-// backend's logits stay batch-invariant (linear.cpp). (A prefill row and the decode loop's row
-// for the same token are computed in other orders: equal within rounding, not to the bit.)
+// length: which tile, batch, or chunk of kTile rows or more it falls in changes no bit (the dot
+// products run over d in order, in one accumulator per row; zeros past a row's length add
+// exactly nothing), so the CPU backend's logits stay batch-invariant (linear.cpp). (A prefill
+// row and the decode loop's row for the same token are computed in other orders: equal within
+// rounding, not to the bit. So is a row of a chunk shorter than kTile, which takes the decode
+// loop, below: within fp32's rounding of the tiles', or, for a bf16 cache on AMX, within the
+// bf16 rounding of its query and weights, about 1e-3 relative.)
 //
 // A chunk of fewer than kTile rows takes the decode loop instead, a row at a time
 // (short_chunks_as_rows): for a few rows, packing the whole context's keys costs more than it
@@ -241,9 +244,9 @@ void tile(const Inputs<T>& in, int64_t s, int64_t qh, int64_t row0, int rows, fl
   const int64_t panels = (n_last + kLanes - 1) / kLanes, ld = panels * kLanes;
   const Vec16 scale = Vec16::all(in.scale);
   for (int r = 0; r < kTile; ++r) {  // rows past the chunk's end: queries of 0, their scores unused
-    const float* qr = in.q + ((in.starts[s] + row0 + r) * in.heads + qh) * D;
+    const float* qr = r < rows ? in.q + ((in.starts[s] + row0 + r) * in.heads + qh) * D : nullptr;
     for (int64_t d = 0; d < D; d += Vec16::size)
-      (r < rows ? Vec16::load(qr + d) * scale : Vec16::zero()).store(qs + r * D + d);
+      (qr ? Vec16::load(qr + d) * scale : Vec16::zero()).store(qs + r * D + d);
   }
   const int64_t panels_s = (n_all + kLanes - 1) / kLanes;
   scores(qs, in.kt + in.kt_at[s] + h * panels_s * D * kLanes, D, panels, rows, work, ld);
@@ -457,9 +460,9 @@ void tile(const Inputs<uint16_t>& in, const uint16_t* kp_s, const uint16_t* vp_s
   const int64_t panels_s = (n_all + kLanes - 1) / kLanes, groups_s = (n_all + kGroup - 1) / kGroup;
   const Vec16 scale = Vec16::all(in.scale);
   for (int r = 0; r < kRows; ++r) {  // rows past the chunk: queries of 0, their results unused
-    const float* qr = in.q + ((in.starts[s] + row0 + r) * in.heads + qh) * D;
+    const float* qr = r < rows ? in.q + ((in.starts[s] + row0 + r) * in.heads + qh) * D : nullptr;
     for (int64_t d = 0; d < D; d += Vec16::size)
-      (r < rows ? Vec16::load(qr + d) * scale : Vec16::zero()).store(w.qb.data() + r * D + d);
+      (qr ? Vec16::load(qr + d) * scale : Vec16::zero()).store(w.qb.data() + r * D + d);
   }
   const uint16_t* kp = kp_s + h * panels_s * D * kLanes;
   switch (D / 32) {  // 32, 64, 96 or 128 (the caller checked)

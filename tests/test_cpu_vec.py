@@ -160,6 +160,18 @@ def test_prefill_tiles_take_every_head_size_of_16s(ext, head_dim, heads, kv_head
     torch.testing.assert_close(out, _reference(qr, k, v, tables[row_seq.long()], row_lens, 0.1), atol=2e-5, rtol=2e-5)
 
 
+def _chunked_calls(ext, qs, k, v, tables, lens):
+    """run(seqs, chunks): the tiles' output for rows [a, b) of each sequence in seqs (its queries
+    in qs, sequences of the given lengths one after the other), as one call."""
+    def run(seqs, chunks):
+        first = [sum(lens[:s]) for s in seqs]
+        rows = torch.cat([qs[f + a:f + b] for f, (a, b) in zip(first, chunks)])
+        starts = torch.tensor([0] + list(torch.tensor([b - a for a, b in chunks]).cumsum(0)), dtype=torch.int32)
+        ctx = torch.tensor([b for _, b in chunks], dtype=torch.int32)
+        return ext.paged_prefill_attention_tiles(rows, k, v, tables[list(seqs)], ctx, starts, 0.125)
+    return run
+
+
 def test_prefill_tiles_do_not_depend_on_the_batch_or_the_chunking(ext):
     """A row's attention is the same bits whichever tile, chunk or batch it falls in (the CPU
     backend's logits are batch-invariant): a 45-token prompt's rows, computed as one chunk
@@ -169,11 +181,7 @@ def test_prefill_tiles_do_not_depend_on_the_batch_or_the_chunking(ext):
     q, k, v, tables, lens = _paged([45, 30, 70], 16, 3, 64, 9, torch.float32, seed=11)
     qs = torch.randn(45 + 30 + 70, 9, 64, generator=torch.Generator().manual_seed(12))
 
-    def run(seqs, chunk):   # rows [a, b) of each sequence in seqs, as one call
-        rows = torch.cat([qs[sum([45, 30, 70][:s]) + a:sum([45, 30, 70][:s]) + b] for s, (a, b) in zip(seqs, chunk)])
-        starts = torch.tensor([0] + list(torch.tensor([b - a for a, b in chunk]).cumsum(0)), dtype=torch.int32)
-        ctx = torch.tensor([b for _, b in chunk], dtype=torch.int32)
-        return ext.paged_prefill_attention_tiles(rows, k, v, tables[list(seqs)], ctx, starts, 0.125)
+    run = _chunked_calls(ext, qs, k, v, tables, [45, 30, 70])
 
     alone = run([0], [(0, 45)])
     assert torch.equal(run([1, 0, 2], [(0, 30), (0, 45), (0, 70)])[30:75], alone)
@@ -268,11 +276,7 @@ def test_prefill_tiles_on_amx_do_not_depend_on_the_batch_or_the_chunking(ext):
     q, k, v, tables, lens = _paged([45, 30, 70], 16, 3, 64, 9, torch.bfloat16, seed=11)
     qs = torch.randn(45 + 30 + 70, 9, 64, generator=torch.Generator().manual_seed(12))
 
-    def run(seqs, chunk):
-        rows = torch.cat([qs[sum([45, 30, 70][:s]) + a:sum([45, 30, 70][:s]) + b] for s, (a, b) in zip(seqs, chunk)])
-        starts = torch.tensor([0] + list(torch.tensor([b - a for a, b in chunk]).cumsum(0)), dtype=torch.int32)
-        ctx = torch.tensor([b for _, b in chunk], dtype=torch.int32)
-        return ext.paged_prefill_attention_tiles(rows, k, v, tables[list(seqs)], ctx, starts, 0.125)
+    run = _chunked_calls(ext, qs, k, v, tables, [45, 30, 70])
 
     alone = run([0], [(0, 45)])
     assert torch.equal(run([1, 0, 2], [(0, 30), (0, 45), (0, 70)])[30:75], alone)

@@ -268,6 +268,54 @@ void tile(const Inputs<T>& in, int64_t s, int64_t qh, int64_t row0, int rows, fl
   }
 }
 
+// A tile of work: rows [row0, row0 + rows) of sequence s's chunk, query head qh; cost is the
+// context its last row sees.
+struct Unit {
+  int64_t cost, s, qh, row0;
+};
+
+// The tiles of the tiled sequences, `rows` query rows each, the costliest first (the last rows of
+// the longest contexts), so that the work left at the end, when a thread may wait for another, is
+// the smallest. `longest` gets the longest context among them.
+template <typename T>
+std::vector<Unit> tile_units(const Inputs<T>& in, int64_t num_seqs, const std::vector<bool>& tiled, int rows,
+                             int64_t& longest) {
+  std::vector<Unit> units;
+  longest = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (!tiled[s]) continue;
+    const int64_t chunk = in.starts[s + 1] - in.starts[s];
+    longest = std::max<int64_t>(longest, in.lens[s]);
+    for (int64_t row0 = 0; row0 < chunk; row0 += rows)
+      for (int64_t qh = 0; qh < in.heads; ++qh)
+        units.push_back({in.lens[s] - chunk + std::min<int64_t>(row0 + rows, chunk), s, qh, row0});
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  return units;
+}
+
+// pack(s, h) for every tiled sequence s and KV head h, one pair per piece of work.
+template <typename Pack>
+void pack_tiled_heads(int64_t num_seqs, int64_t kv_heads, const std::vector<bool>& tiled, Pack pack) {
+  labkit::parallel_chunks(num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u)
+      if (tiled[u / kv_heads]) pack(u / kv_heads, u % kv_heads);
+  });
+}
+
+// Every unit through a worker: each thread makes one (its buffers; on AMX, its tile registers'
+// configuration, released when the worker goes) and takes the next unit when it is free (parallel.h).
+template <typename MakeWorker>
+void run_tiles(const std::vector<Unit>& units, MakeWorker make_worker) {
+  const int64_t num_units = int64_t(units.size());
+  if (num_units == 0) return;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    auto work = make_worker();
+    for (int64_t i = next++; i < num_units; i = next++) work(units[i]);
+  });
+}
+
 template <typename T>
 void prefill_tiles(Inputs<T> in, int64_t num_seqs, const std::vector<bool>& tiled, at::Tensor& out) {
   // Pack the keys of every tiled sequence, one (sequence, KV head) per unit of work.
@@ -277,42 +325,20 @@ void prefill_tiles(Inputs<T> in, int64_t num_seqs, const std::vector<bool>& tile
   std::unique_ptr<float[]> kt(new float[kt_at[num_seqs]]);  // pack_keys writes all that any tile reads
   in.kt = kt.get();
   in.kt_at = kt_at.data();
-  labkit::parallel_chunks(num_seqs * in.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t s = u / in.kv_heads, h = u % in.kv_heads;
-      if (!tiled[s]) continue;
-      const int64_t panels = (in.lens[s] + kLanes - 1) / kLanes;
-      pack_keys(in, s, h, kt.get() + kt_at[s] + h * panels * in.D * kLanes);
-    }
+  pack_tiled_heads(num_seqs, in.kv_heads, tiled, [&](int64_t s, int64_t h) {
+    const int64_t panels = (in.lens[s] + kLanes - 1) / kLanes;
+    pack_keys(in, s, h, kt.get() + kt_at[s] + h * panels * in.D * kLanes);
   });
-  // The tiles, the costliest first (the last rows of the longest contexts), so that the work
-  // left at the end, when a thread may wait for another, is the smallest.
-  struct Unit {
-    int64_t cost, s, qh, row0;
-  };
-  std::vector<Unit> units;
-  int64_t longest = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    if (!tiled[s]) continue;
-    const int64_t chunk = in.starts[s + 1] - in.starts[s];
-    longest = std::max<int64_t>(longest, in.lens[s]);
-    for (int64_t row0 = 0; row0 < chunk; row0 += kTile)
-      for (int64_t qh = 0; qh < in.heads; ++qh)
-        units.push_back({in.lens[s] - chunk + std::min<int64_t>(row0 + kTile, chunk), s, qh, row0});
-  }
-  if (units.empty()) return;
-  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  int64_t longest;
+  const std::vector<Unit> units = tile_units(in, num_seqs, tiled, kTile, longest);
   const int64_t ld_max = (longest + kLanes - 1) / kLanes * kLanes;
   float* o = out.data_ptr<float>();
-  const int64_t num_units = int64_t(units.size());
-  std::atomic<int64_t> next{0};  // each thread takes the next tile when it is free (parallel.h)
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> work(kTile * ld_max), qs(kTile * in.D);  // a thread's scores and queries
-    for (int64_t i = next++; i < num_units; i = next++) {
-      const Unit& u = units[i];
+  run_tiles(units, [&] {  // a worker: a thread's scores and queries, and the tile they go through
+    std::vector<float> work(kTile * ld_max), qs(kTile * in.D);
+    return [&, work = std::move(work), qs = std::move(qs)](const Unit& u) mutable {
       const int64_t chunk = in.starts[u.s + 1] - in.starts[u.s];
       tile(in, u.s, u.qh, u.row0, int(std::min<int64_t>(kTile, chunk - u.row0)), work.data(), qs.data(), o);
-    }
+    };
   });
 }
 
@@ -443,16 +469,23 @@ void values(const uint16_t* pb, const uint16_t* vp, int64_t D, int64_t groups, i
   }
 }
 
-// A thread's buffers: scores (fp32) and probabilities (bf16) of 16 rows, queries, outputs.
-struct Work {
+// A thread's buffers: scores (fp32) and probabilities (bf16) of 16 rows, queries, outputs; and its
+// tile registers, configured while it lives and released after (back to their initial state, for
+// whoever runs on this thread next).
+struct Worker {
   std::vector<float> s, o;
   std::vector<uint16_t> pb, qb;
-  Work(int64_t ld_max, int64_t D) : s(kRows * ld_max), o(kRows * D), pb(kRows * ld_max), qb(kRows * D) {}
+  Worker(int64_t ld_max, int64_t D) : s(kRows * ld_max), o(kRows * D), pb(kRows * ld_max), qb(kRows * D) {
+    configure();
+  }
+  ~Worker() { _tile_release(); }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
 };
 
 // One tile: rows [row0, row0 + rows) of sequence s's chunk, query head qh.
 void tile(const Inputs<uint16_t>& in, const uint16_t* kp_s, const uint16_t* vp_s, int64_t s, int64_t qh,
-          int64_t row0, int rows, Work& w, float* out_base) {
+          int64_t row0, int rows, Worker& w, float* out_base) {
   const int64_t D = in.D, h = qh / (in.heads / in.kv_heads);
   const int64_t chunk = in.starts[s + 1] - in.starts[s], n_all = in.lens[s];
   const int64_t n_last = n_all - chunk + row0 + rows;
@@ -499,44 +532,21 @@ void prefill_tiles(const Inputs<uint16_t>& in, int64_t num_seqs, const std::vect
     vp_at[s + 1] = vp_at[s] + (tiled[s] ? (in.lens[s] + kGroup - 1) / kGroup * kGroup * D * in.kv_heads : 0);
   }
   std::unique_ptr<uint16_t[]> kp(new uint16_t[kp_at[num_seqs]]), vp(new uint16_t[vp_at[num_seqs]]);
-  labkit::parallel_chunks(num_seqs * in.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t s = u / in.kv_heads, h = u % in.kv_heads;
-      if (!tiled[s]) continue;
-      const int64_t n = in.lens[s];
-      pack_keys(in, s, h, kp.get() + kp_at[s] + h * ((n + kLanes - 1) / kLanes) * kLanes * D);
-      pack_values(in, s, h, vp.get() + vp_at[s] + h * ((n + kGroup - 1) / kGroup) * kGroup * D);
-    }
+  pack_tiled_heads(num_seqs, in.kv_heads, tiled, [&](int64_t s, int64_t h) {
+    const int64_t n = in.lens[s];
+    pack_keys(in, s, h, kp.get() + kp_at[s] + h * ((n + kLanes - 1) / kLanes) * kLanes * D);
+    pack_values(in, s, h, vp.get() + vp_at[s] + h * ((n + kGroup - 1) / kGroup) * kGroup * D);
   });
-  struct Unit {
-    int64_t cost, s, qh, row0;
-  };
-  std::vector<Unit> units;
-  int64_t longest = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    if (!tiled[s]) continue;
-    const int64_t chunk = in.starts[s + 1] - in.starts[s];
-    longest = std::max<int64_t>(longest, in.lens[s]);
-    for (int64_t row0 = 0; row0 < chunk; row0 += kRows)
-      for (int64_t qh = 0; qh < in.heads; ++qh)
-        units.push_back({in.lens[s] - chunk + std::min<int64_t>(row0 + kRows, chunk), s, qh, row0});
-  }
-  if (units.empty()) return;
-  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  int64_t longest;
+  const std::vector<Unit> units = tile_units(in, num_seqs, tiled, kRows, longest);
   const int64_t ld_max = (longest + kGroup - 1) / kGroup * kGroup;
   float* o = out.data_ptr<float>();
-  const int64_t num_units = int64_t(units.size());
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Work w(ld_max, D);
-    configure();
-    for (int64_t i = next++; i < num_units; i = next++) {
-      const Unit& u = units[i];
+  run_tiles(units, [&] {
+    return [&, w = Worker(ld_max, D)](const Unit& u) mutable {
       const int64_t chunk = in.starts[u.s + 1] - in.starts[u.s];
       tile(in, kp.get() + kp_at[u.s], vp.get() + vp_at[u.s], u.s, u.qh, u.row0,
            int(std::min<int64_t>(kRows, chunk - u.row0)), w, o);
-    }
-    _tile_release();  // the tile registers back to their initial state, for whoever runs next
+    };
   });
 }
 
